@@ -1,0 +1,64 @@
+# Set-up, build, test, demo and benchmark targets.
+#   make run    install everything, then run the main job
+#   make test   install everything, then run the test suite
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+STAMP       := build/stamps
+TORCH_PIN   := torch==2.13.0
+# Debian packages the project needs: DPDK for the software switch, Mininet and
+# iproute2 for the testbed, clang for the fuzzing/sanitizer build.
+DEB_PKGS    := libdpdk-dev dpdk pkg-config libpcap-dev build-essential mininet \
+               iproute2 tcpdump ethtool clang libclang-rt-14-dev
+PYTEST_ARGS ?=
+# The main job: the codec demo until the distributed training job lands.
+MAIN_JOB    ?= thc.demo
+
+.PHONY: setup sysdeps venv build run demo test bench clean
+
+setup: sysdeps venv build
+
+sysdeps: $(STAMP)/sysdeps
+$(STAMP)/sysdeps:
+	@mkdir -p $(STAMP)
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages: $$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  else \
+	    echo "missing Debian packages (install them as root): $$missing"; exit 1; \
+	  fi; \
+	fi
+	@touch $@
+
+venv: $(STAMP)/venv
+$(STAMP)/venv: pyproject.toml
+	@mkdir -p $(STAMP)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU build of torch when none is installed (a bare "torch" pulls CUDA).
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+build: sysdeps
+	@if [ -f dataplane/dpdk/Makefile ]; then $(MAKE) -C dataplane/dpdk; fi
+
+run: setup
+	$(PY) -m $(MAIN_JOB)
+
+demo: setup
+	$(PY) -m thc.demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m thc.bench nmse
+	$(PY) -m thc.bench speed
+
+clean:
+	rm -rf build $(VENV) *.egg-info
+	@if [ -f dataplane/dpdk/Makefile ]; then $(MAKE) -C dataplane/dpdk clean; fi

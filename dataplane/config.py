@@ -1,0 +1,220 @@
+"""The job description: one description, every data plane.
+
+The reference aggregator reads it directly, the DPDK switch reads the file that
+`SwitchConfig.save` writes, and the P4Runtime controller installs it into BMv2.
+See docs/protocol.md §3 for the rules enforced here.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+AGG_PORT_BASE = 50000          # UDP port range 50000-50015 (dport & 0xFFF0)
+AGG_PORT_MASK = 0xFFF0
+PROTOCOL_VERSION = 1
+MAX_WORKERS = 32               # contributor bitmaps are 32 bits
+NUM_QUEUES = 8
+CONTROL_DSCP = 48              # CS6 -> queue 7
+DATA_DSCP_BASE = 32            # data band b -> DSCP 32 + b -> queue 6 - b
+NUM_DATA_BANDS = 7
+LANE_MAX = 255                 # 8-bit result lanes
+
+_MAC_RE = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
+
+
+class ConfigError(ValueError):
+    """A job description that no data plane may accept; the message says what to change."""
+
+
+def _check_mac(mac: str, what: str) -> None:
+    if not _MAC_RE.match(mac):
+        raise ConfigError(f"{what}: MAC address {mac!r} is not of the form aa:bb:cc:dd:ee:ff")
+
+
+def _check_ip(ip: str, what: str) -> None:
+    try:
+        ipaddress.IPv4Address(ip)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {ip!r} is not an IPv4 address") from exc
+
+
+@dataclass(frozen=True)
+class Member:
+    worker: int
+    port: int                  # switch port the worker is attached to
+    mac: str
+    ip: str
+    udp_port: int
+
+    def validate(self, job: int) -> None:
+        what = f"job {job} worker {self.worker}"
+        if not 0 <= self.worker < MAX_WORKERS:
+            raise ConfigError(f"{what}: worker id must be in 0..{MAX_WORKERS - 1}")
+        if not 0 <= self.port < 512:
+            raise ConfigError(f"{what}: switch port {self.port} must be in 0..511")
+        if not 0 < self.udp_port < 65536:
+            raise ConfigError(f"{what}: UDP port {self.udp_port} must be in 1..65535")
+        _check_mac(self.mac, what)
+        _check_ip(self.ip, what)
+
+
+@dataclass(frozen=True)
+class Job:
+    job: int
+    pool_size: int
+    table: tuple[int, ...]
+    members: tuple[Member, ...]
+
+    @classmethod
+    def from_thc(cls, job: int, pool_size: int, members, bits: int = 4,
+                 granularity: int = 30, p: float = 1 / 32, symmetric: bool = True) -> "Job":
+        from thc import optimal_table  # lazy: the data planes need no codec
+        table = tuple(int(v) for v in optimal_table(bits, granularity, p, symmetric=symmetric))
+        return cls(job, pool_size, table, tuple(members))
+
+    @property
+    def expected_all(self) -> int:
+        bitmap = 0
+        for m in self.members:
+            bitmap |= 1 << m.worker
+        return bitmap
+
+    def validate(self, max_slots: int = 65536) -> None:
+        what = f"job {self.job}"
+        if not 0 <= self.job < 65536:
+            raise ConfigError(f"{what}: job id must fit in 16 bits")
+        if not 1 <= self.pool_size <= max_slots:
+            raise ConfigError(f"{what}: pool_size {self.pool_size} must be in 1..{max_slots} "
+                              "(this data plane's slot budget)")
+        t = list(self.table)
+        if len(t) != 16:
+            raise ConfigError(f"{what}: the table needs 16 entries (4-bit indices), got {len(t)}")
+        if t[0] != 0 or any(b <= a for a, b in zip(t, t[1:])):
+            raise ConfigError(f"{what}: the table must start at 0 and strictly increase, got {t}")
+        if not self.members:
+            raise ConfigError(f"{what}: a job needs at least one member")
+        if len(self.members) > MAX_WORKERS:
+            raise ConfigError(f"{what}: {len(self.members)} members; at most {MAX_WORKERS}")
+        ids = [m.worker for m in self.members]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{what}: duplicate worker ids in {sorted(ids)}")
+        for m in self.members:
+            m.validate(self.job)
+        n, g = len(self.members), t[-1]
+        if n * g > LANE_MAX:
+            raise ConfigError(
+                f"{what}: {n} workers x granularity {g} = {n * g} overflows the 8-bit result "
+                f"lanes (max {LANE_MAX}); use granularity <= {LANE_MAX // n} or at most "
+                f"{LANE_MAX // g} workers per job")
+
+
+def default_thresholds(base: float = 8.0, d: float = 0.5) -> tuple[int, ...]:
+    """Per-queue selective-drop thresholds K[q]: K[6-b] = base*(1+d*b); control unbounded."""
+    k = [0] * NUM_QUEUES
+    for band in range(NUM_DATA_BANDS):
+        k[NUM_DATA_BANDS - 1 - band] = int(round(base * (1 + d * band)))
+    k[NUM_QUEUES - 1] = 0xFFFF
+    return tuple(k)
+
+
+def default_dscp_map() -> dict[int, tuple[int, bool]]:
+    """DSCP -> (queue, is_data). Unlisted DSCPs go to queue 0 without selective drop."""
+    m = {DATA_DSCP_BASE + b: (NUM_DATA_BANDS - 1 - b, True) for b in range(NUM_DATA_BANDS)}
+    m[CONTROL_DSCP] = (NUM_QUEUES - 1, False)
+    return m
+
+
+def band_to_dscp(band: int) -> int:
+    if not 0 <= band < NUM_DATA_BANDS:
+        raise ValueError(f"band {band} outside 0..{NUM_DATA_BANDS - 1}")
+    return DATA_DSCP_BASE + band
+
+
+@dataclass(frozen=True)
+class Dlcp:
+    dscp_map: dict[int, tuple[int, bool]] = field(default_factory=default_dscp_map)
+    thresholds: tuple[int, ...] = field(default_factory=default_thresholds)
+    capacity: int = 64
+
+    def validate(self) -> None:
+        if len(self.thresholds) != NUM_QUEUES:
+            raise ConfigError(f"dlcp: need {NUM_QUEUES} thresholds, got {len(self.thresholds)}")
+        if self.capacity < 1:
+            raise ConfigError("dlcp: capacity must be at least 1 packet")
+        for dscp, (queue, _) in self.dscp_map.items():
+            if not 0 <= dscp < 64 or not 0 <= queue < NUM_QUEUES:
+                raise ConfigError(f"dlcp: DSCP {dscp} -> queue {queue} out of range (0..63, 0..7)")
+
+    def classify(self, dscp: int) -> tuple[int, bool]:
+        return self.dscp_map.get(dscp, (0, False))
+
+
+@dataclass(frozen=True)
+class Route:
+    prefix: str                # "10.0.0.0/24"
+    port: int
+    mac: str                   # next-hop MAC
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    mac: str = "02:00:00:00:00:fe"
+    ip: str = "10.0.0.254"
+    jobs: tuple[Job, ...] = ()
+    dlcp: Dlcp = field(default_factory=Dlcp)
+    routes: tuple[Route, ...] = ()
+
+    def validate(self, max_slots: int = 65536) -> "SwitchConfig":
+        _check_mac(self.mac, "switch")
+        _check_ip(self.ip, "switch")
+        ids = [j.job for j in self.jobs]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"two jobs share an id: {sorted(ids)}")
+        for j in self.jobs:
+            j.validate(max_slots)
+        self.dlcp.validate()
+        for r in self.routes:
+            try:
+                ipaddress.IPv4Network(r.prefix)
+            except ValueError as exc:
+                raise ConfigError(f"route {r.prefix!r}: not an IPv4 prefix") from exc
+            _check_mac(r.mac, f"route {r.prefix}")
+        return self
+
+    def job(self, job_id: int) -> Job:
+        for j in self.jobs:
+            if j.job == job_id:
+                return j
+        raise KeyError(job_id)
+
+    # -- serialization: the file the DPDK switch and the P4 controller read --
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dlcp"]["dscp_map"] = {str(k): [q, bool(is_data)] for k, (q, is_data)
+                                 in self.dlcp.dscp_map.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SwitchConfig":
+        jobs = tuple(Job(j["job"], j["pool_size"], tuple(j["table"]),
+                         tuple(Member(**m) for m in j["members"])) for j in d.get("jobs", ()))
+        dl = d.get("dlcp", {})
+        dlcp = Dlcp(
+            dscp_map={int(k): (int(v[0]), bool(v[1])) for k, v in dl["dscp_map"].items()}
+            if "dscp_map" in dl else default_dscp_map(),
+            thresholds=tuple(dl.get("thresholds", default_thresholds())),
+            capacity=int(dl.get("capacity", 64)))
+        routes = tuple(Route(**r) for r in d.get("routes", ()))
+        return cls(d.get("mac", cls.mac), d.get("ip", cls.ip), jobs, dlcp, routes)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SwitchConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
