@@ -1,0 +1,265 @@
+"""The reference aggregator serving real UDP on one machine.
+
+    python -m dataplane.udp_service --config job.json [--host 127.0.0.1] [--port 50000]
+
+The kernel owns Ethernet/IPv4/UDP, so the service sees only the AGG header + payload of
+each datagram and runs the reference semantics on it (`ReferenceSwitch.handle_agg`, the
+code the packet suite checks). Differences from a switch, all forced by the socket API:
+
+* Membership is `(job, worker)` plus the worker's configured `(ip, udp_port)`: a
+  datagram must come from exactly that address. Every member counts as attached to
+  switch port 0 (the `port` field of the config is ignored).
+* Results and notices go to each member's `(ip, udp_port)` with `sendto`, from the
+  service's own address; no DLCP stage (the kernel queues), no ordinary forwarding.
+* The drop counters of docs/protocol.md §4.5 are kept; `drop_truncated` and
+  `drop_bad_length` see the datagram length (the UDP length).
+
+Python API for tests and the main job:
+
+    with serve(config, "127.0.0.1", 0) as svc:       # thread; process=True for a child
+        ... send to svc.address ...
+        print(svc.counters())
+
+One thread owns the socket and every slot (the state machine is sequential by nature);
+its loop is one `recv_into` into a preallocated buffer per datagram, numpy on the values.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import signal
+import socket
+import sys
+import threading
+import time
+
+from dataplane.config import ConfigError, SwitchConfig
+from dataplane.reference import ReferenceSwitch
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50000
+RECV_BUFFER = 1 << 16
+SOCKET_BUFFER = 8 << 20        # kernel buffers: absorb bursts of a whole tensor
+
+
+def service_config(config: SwitchConfig) -> SwitchConfig:
+    """The config with every member on switch port 0, refusing shared member addresses."""
+    jobs = []
+    for job in config.jobs:
+        seen = {}
+        for m in job.members:
+            key = (m.ip, m.udp_port)
+            if key in seen:
+                raise ConfigError(
+                    f"job {job.job}: workers {seen[key]} and {m.worker} share the UDP address "
+                    f"{m.ip}:{m.udp_port}; the UDP service tells members apart by address, "
+                    "give each worker its own udp_port")
+            seen[key] = m.worker
+        members = tuple(dataclasses.replace(m, port=0) for m in job.members)
+        jobs.append(dataclasses.replace(job, members=members))
+    return dataclasses.replace(config, jobs=tuple(jobs)).validate()
+
+
+class UdpAggregator:
+    """A bound socket plus a ReferenceSwitch; `serve_forever` runs the loop."""
+
+    def __init__(self, config: SwitchConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT):
+        self.switch = ReferenceSwitch(service_config(config))
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
+            except OSError:
+                pass                       # the kernel caps it; the default still works
+        self.sock.bind((host, port))
+        self.address = self.sock.getsockname()
+        self.stats = {"rx_datagrams": 0, "tx_datagrams": 0, "tx_errors": 0}
+        self._stopping = False
+
+    def counters(self) -> dict:
+        c = self.switch.counters()
+        c["service"] = dict(self.stats)
+        return c
+
+    def serve_forever(self) -> None:
+        buf = bytearray(RECV_BUFFER)
+        view = memoryview(buf)
+        recv_into = self.sock.recvfrom_into
+        sendto = self.sock.sendto
+        handle = self.switch.handle_agg
+        stats = self.stats
+        while True:
+            n, source = recv_into(buf)
+            if self._stopping:
+                break
+            stats["rx_datagrams"] += 1
+            for reply in handle(0, view[:n], n, True, 0, source):
+                m = reply.member
+                try:
+                    sendto(reply.agg, (m.ip, m.udp_port))
+                    stats["tx_datagrams"] += 1
+                except OSError:            # e.g. ECONNREFUSED from an earlier ICMP error
+                    stats["tx_errors"] += 1
+        self.sock.close()
+
+    def request_stop(self) -> None:
+        """Make the loop exit: set the flag, then wake the blocked recv with a datagram."""
+        self._stopping = True
+        host, port = self.address
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as wake:
+            wake.sendto(b"", ("127.0.0.1" if host in ("0.0.0.0", "") else host, port))
+
+
+class ServiceHandle:
+    """A running service: `.address`, `.counters()`, `.stop()`; a context manager."""
+
+    def __init__(self, address, counters_fn, stop_fn):
+        self.address = tuple(address)
+        self._counters = counters_fn
+        self._stop = stop_fn
+        self._final = None
+
+    def counters(self) -> dict:
+        return self._final if self._final is not None else self._counters()
+
+    def stop(self) -> dict:
+        """Stop serving; returns the final counters."""
+        if self._final is None:
+            self._final = self._stop()
+        return self._final
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _serve_thread(config, host, port) -> ServiceHandle:
+    agg = UdpAggregator(config, host, port)
+    thread = threading.Thread(target=agg.serve_forever, name="udp-aggregator", daemon=True)
+    thread.start()
+
+    def stop():
+        agg.request_stop()
+        thread.join(10)
+        return agg.counters()
+
+    return ServiceHandle(agg.address, agg.counters, stop)
+
+
+def _child_main(config_dict, host, port, conn) -> None:
+    """Child process: serve in a thread, answer 'counters'/'stop' on the pipe."""
+    try:
+        agg = UdpAggregator(SwitchConfig.from_dict(config_dict), host, port)
+    except Exception as exc:           # set-up errors travel back to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    thread = threading.Thread(target=agg.serve_forever, daemon=True)
+    thread.start()
+    conn.send(("address", agg.address))
+    while True:
+        request = conn.recv()
+        if request == "stop":
+            agg.request_stop()
+            thread.join(10)
+            conn.send(agg.counters())
+            return
+        conn.send(agg.counters())
+
+
+def _serve_process(config, host, port) -> ServiceHandle:
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=_child_main, daemon=True,
+                                           args=(config.to_dict(), host, port, child))
+    proc.start()
+    kind, value = parent.recv()
+    if kind == "error":
+        proc.join()
+        raise ConfigError(value) if "ConfigError" in value else RuntimeError(value)
+    lock = threading.Lock()
+
+    def ask(request):
+        with lock:
+            parent.send(request)
+            return _int_keys(parent.recv())
+
+    def stop():
+        counters = ask("stop")
+        proc.join(10)
+        return counters
+
+    return ServiceHandle(value, lambda: ask("counters"), stop)
+
+
+def _int_keys(counters: dict) -> dict:
+    counters["jobs"] = {int(k): v for k, v in counters["jobs"].items()}
+    return counters
+
+
+def serve(config: SwitchConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
+          process: bool = False) -> ServiceHandle:
+    """Start the UDP aggregator in a background thread (or a child process).
+
+    Port 0 picks a free port (see `.address`). Bad configuration raises ConfigError here,
+    before anything is served.
+    """
+    return _serve_process(config, host, port) if process else _serve_thread(config, host, port)
+
+
+def _format_counters(c: dict) -> str:
+    lines = ["service: " + " ".join(f"{k}={v}" for k, v in c["service"].items())]
+    nonzero = {k: v for k, v in c["global"].items() if v}
+    lines.append("global: " + (" ".join(f"{k}={v}" for k, v in nonzero.items()) or "all zero"))
+    for job, jc in c["jobs"].items():
+        lines.append(f"job {job}: " + " ".join(f"{k}={v}" for k, v in jc.items() if v))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dataplane.udp_service",
+        description="Serve the reference aggregator (docs/protocol.md) over UDP on this "
+                    "machine. Workers send AGG packets to HOST:PORT from their configured "
+                    "(ip, udp_port); results go back to every member's address.")
+    parser.add_argument("--config", required=True,
+                        help="job description JSON as written by SwitchConfig.save")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="UDP port to bind (default %(default)s; 0 = any free port)")
+    parser.add_argument("--stats-interval", type=float, default=0.0,
+                        help="print the counters every this many seconds (0 = only at exit)")
+    parser.add_argument("--counters-json", help="write the final counters to this file")
+    args = parser.parse_args(argv)
+    try:
+        config = SwitchConfig.load(args.config)
+        agg = UdpAggregator(config, args.host, args.port)
+    except (ConfigError, OSError, ValueError, KeyError) as exc:
+        print(f"udp_service: cannot start: {exc}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    thread = threading.Thread(target=agg.serve_forever, daemon=True)
+    thread.start()
+    print(f"udp_service: serving {len(config.jobs)} job(s) on {agg.address[0]}:{agg.address[1]}",
+          flush=True)
+    last_print = time.monotonic()
+    while not done.wait(0.2):
+        if args.stats_interval and time.monotonic() - last_print >= args.stats_interval:
+            print(_format_counters(agg.counters()), flush=True)
+            last_print = time.monotonic()
+    agg.request_stop()
+    thread.join(10)
+    final = agg.counters()
+    print(_format_counters(final), flush=True)
+    if args.counters_json:
+        with open(args.counters_json, "w") as f:
+            json.dump(final, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

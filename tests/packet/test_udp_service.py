@@ -1,0 +1,147 @@
+"""The reference aggregator over real UDP sockets on loopback (dataplane/udp_service.py)."""
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dataplane.config import ConfigError, Job, Member, SwitchConfig
+from dataplane.udp_service import serve
+from host.packets import (FLAG_RESERVE, FLAG_RETX, TYPE_RESULT, decode_headers, encode_data,
+                          scatter_payloads)
+from .scenario import TABLE, pack, sums_of
+
+ROOT = Path(__file__).resolve().parents[2]
+VPP = 256
+
+
+def worker_sockets(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        s.settimeout(5)
+        socks.append(s)
+    return socks
+
+
+def loopback_config(socks, job_id=1, pool_size=64):
+    members = tuple(Member(w, 0, f"02:00:00:00:00:{w + 1:02x}", "127.0.0.1",
+                           s.getsockname()[1]) for w, s in enumerate(socks))
+    return SwitchConfig(jobs=(Job(job_id, pool_size, TABLE, members),))
+
+
+def send_tensor(sock, address, idx, worker, *, expected, flags=0, job=1):
+    bufs, lengths = encode_data(pack(idx), len(idx), VPP, job=job, worker=worker, tensor=3,
+                                slots=np.arange(-(-len(idx) // VPP)), rounds=0,
+                                expected=expected, flags=flags)
+    for row, length in zip(bufs, lengths):
+        sock.sendto(row[:length].tobytes(), address)
+    return len(bufs)
+
+
+def receive(sock, count):
+    return [sock.recv(2048) for _ in range(count)]
+
+
+@pytest.fixture
+def workers():
+    socks = worker_sockets(3)
+    yield socks
+    for s in socks:
+        s.close()
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_a_tensor_aggregates_over_udp(workers, process):
+    config = loopback_config(workers)
+    idx = np.random.default_rng(0).integers(0, 16, (3, 1000))
+    with serve(config, "127.0.0.1", 0, process=process) as svc:
+        n_pkts = 0
+        for w, s in enumerate(workers):
+            n_pkts = send_tensor(s, svc.address, idx[w], w, expected=0b111)
+        for s in workers:
+            datagrams = receive(s, n_pkts)
+            hdr = decode_headers(datagrams)
+            assert (hdr["ver_type"] & 0xF == TYPE_RESULT).all()
+            assert (hdr["contributors"] == 0b111).all() and (hdr["count"] == 3).all()
+            out = np.zeros(1000, dtype=np.uint8)
+            scatter_payloads(datagrams, None, hdr, out)
+            np.testing.assert_array_equal(out, sums_of(idx))
+        assert svc.counters()["jobs"][1]["aggregated"] == 3 * n_pkts
+        c = svc.stop()                 # after the loop's last send has been counted
+    assert c["jobs"][1]["aggregated"] == 3 * n_pkts
+    assert c["jobs"][1]["results_multicast"] == n_pkts
+    assert c["service"]["rx_datagrams"] == 3 * n_pkts
+    assert c["service"]["tx_datagrams"] == 3 * n_pkts
+
+
+def test_reserve_strangers_and_garbage(workers):
+    config = loopback_config(workers[:2])
+    idx = np.random.default_rng(1).integers(0, 16, (2, 100))
+    with serve(config, "127.0.0.1", 0) as svc:
+        for w in (0, 1):
+            send_tensor(workers[w], svc.address, idx[w], w, expected=0b11)
+        for s in workers[:2]:
+            receive(s, 1)
+        # A lost result: worker 1 retransmits and alone gets the stored result back.
+        send_tensor(workers[1], svc.address, idx[1], 1, expected=0b11, flags=FLAG_RETX)
+        hdr = decode_headers(receive(workers[1], 1))
+        assert hdr["flags"][0] == FLAG_RESERVE
+        # The third socket is not a configured address: even claiming worker 0 it is refused.
+        send_tensor(workers[2], svc.address, idx[0], 0, expected=0b11)
+        workers[0].sendto(b"\x10\x00", svc.address)              # truncated
+        workers[0].sendto(bytes(32), svc.address)                # version 0
+        workers[0].settimeout(0.3)
+        with pytest.raises(socket.timeout):
+            workers[0].recv(2048)                                # nothing comes back
+        c = svc.stop()
+    assert c["jobs"][1]["drop_not_member"] == 1
+    assert c["jobs"][1]["results_reserved"] == 1
+    assert c["global"]["drop_truncated"] == 1 and c["global"]["drop_bad_version"] == 1
+
+
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_members_sharing_an_address_are_refused(process):
+    m = Member(0, 0, "02:00:00:00:00:01", "127.0.0.1", 41000)
+    config = SwitchConfig(jobs=(Job(1, 4, TABLE, (m, Member(1, 0, m.mac, m.ip, m.udp_port))),))
+    with pytest.raises(ConfigError, match="share the UDP address"):
+        serve(config, "127.0.0.1", 0, process=process)
+
+
+def test_cli_serves_and_reports_counters(workers, tmp_path):
+    config = loopback_config(workers[:2])
+    cfg_file = config.save(tmp_path / "job.json")
+    counters_file = tmp_path / "counters.json"
+    proc = subprocess.Popen([sys.executable, "-m", "dataplane.udp_service", "--config",
+                             str(cfg_file), "--port", "0", "--counters-json",
+                             str(counters_file)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving 1 job(s) on 127.0.0.1:" in line
+        address = ("127.0.0.1", int(line.rsplit(":", 1)[1]))
+        idx = np.random.default_rng(2).integers(0, 16, (2, 10))
+        for w in (0, 1):
+            send_tensor(workers[w], address, idx[w], w, expected=0b11)
+        assert len(receive(workers[0], 1)[0]) == 32 + 10
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        proc.stdout.close()
+    assert proc.returncode == 0
+    c = json.loads(counters_file.read_text())
+    assert c["jobs"]["1"]["results_multicast"] == 1
+
+
+def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"jobs": [{"job": 1, "pool_size": 4, "table": [0, 1],
+                                         "members": []}]}))
+    result = subprocess.run([sys.executable, "-m", "dataplane.udp_service", "--config", str(bad)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "table needs 16 entries" in result.stderr
