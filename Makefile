@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # The main job: the codec demo until the distributed training job lands.
 MAIN_JOB    ?= thc.demo
 
-.PHONY: setup sysdeps venv build run demo test bench clean
+.PHONY: setup sysdeps venv build run demo test bench clean p4 testbed
 
 setup: sysdeps venv build
 
@@ -58,6 +58,18 @@ test: setup
 bench: setup
 	$(PY) -m thc.bench nmse
 	$(PY) -m thc.bench speed
+	$(PY) -m dataplane.bench_udp --json build/bench_udp.json --plot build/bench_udp.png
+
+# BMv2 program (p4c is not packaged for Debian: build p4lang/p4c, see p4src/v1model/README.md).
+p4:
+	@command -v p4c >/dev/null || { echo "p4c is not installed: see p4src/v1model/README.md"; exit 1; }
+	mkdir -p build/p4
+	p4c --target bmv2 --arch v1model --p4runtime-files build/p4/main.p4info.txt \
+	    -o build/p4 p4src/v1model/main.p4
+
+# Mininet testbed (root): 3 workers through the best switch available here.
+testbed: setup
+	$(PY) -m host.testbed --hosts 3
 
 clean:
 	rm -rf build $(VENV) *.egg-info

@@ -1,0 +1,138 @@
+/* Jobs, membership, multicast addressing and ordinary IPv4 forwarding
+ * (protocol.md sections 3, 4.1, 5, 7). */
+#ifndef _THC_INA_FORWARDING_P4_
+#define _THC_INA_FORWARDING_P4_
+
+/* Which jobs exist, where their slots start, and who may contribute. */
+control JobMembership(in headers_t hdr,
+                      inout metadata_t meta,
+                      in standard_metadata_t standard_metadata) {
+    action set_job(bit<32> job_index, bit<32> slot_base, bit<16> pool_size) {
+        meta.job_known = 1;
+        meta.job_index = job_index;
+        meta.slot_base = slot_base;
+        meta.pool_size = pool_size;
+    }
+
+    action unknown_job() {
+        meta.job_known = 0;
+    }
+
+    table jobs {
+        key = { hdr.agg.job : exact; }
+        actions = { set_job; unknown_job; }
+        const default_action = unknown_job();
+        size = MAX_JOBS;
+    }
+
+    action member() {
+        meta.is_member = 1;
+    }
+
+    action not_member() {
+        meta.is_member = 0;
+    }
+
+    /* (job, worker id, switch port) triples allowed to contribute */
+    table members {
+        key = {
+            hdr.agg.job                  : exact;
+            hdr.agg.worker               : exact;
+            standard_metadata.ingress_port : exact;
+        }
+        actions = { member; not_member; }
+        const default_action = not_member();
+        size = 32 * MAX_JOBS;
+    }
+
+    apply {
+        meta.job_known = 0;
+        meta.is_member = 0;
+        jobs.apply();
+        if (meta.job_known == 1 && hdr.agg.worker < 32) {
+            members.apply();
+        }
+    }
+}
+
+/* Ordinary traffic: longest-prefix match on the destination; a layer-2 rewrite
+ * only (the IPv4 header is left as it is, protocol.md 7). */
+control Ipv4Forwarding(inout headers_t hdr,
+                       inout metadata_t meta,
+                       inout standard_metadata_t standard_metadata,
+                       out bool routed) {
+    action forward(port_id_t port, mac_addr_t next_hop_mac, mac_addr_t switch_mac) {
+        standard_metadata.egress_spec = port;
+        hdr.ethernet.dst_addr = next_hop_mac;
+        hdr.ethernet.src_addr = switch_mac;
+        routed = true;
+    }
+
+    action no_route() {
+        routed = false;
+    }
+
+    table routes {
+        key = { hdr.ipv4.dst_addr : lpm; }
+        actions = { forward; no_route; }
+        const default_action = no_route();
+        size = 1024;
+    }
+
+    apply {
+        routed = false;
+        if (hdr.ipv4.isValid() && hdr.ipv4.version == 4) {
+            routes.apply();
+        }
+    }
+}
+
+/* Egress: every RESULT / STRAGGLER copy is addressed to its member (protocol.md 5).
+ * Multicast copies carry the member's worker id as egress_rid. */
+control MemberAddressing(inout headers_t hdr,
+                         inout metadata_t meta,
+                         inout standard_metadata_t standard_metadata) {
+    action address_member(mac_addr_t switch_mac, ipv4_addr_t switch_ip,
+                          mac_addr_t member_mac, ipv4_addr_t member_ip,
+                          bit<16> member_udp_port) {
+        hdr.ethernet.src_addr = switch_mac;
+        hdr.ethernet.dst_addr = member_mac;
+        hdr.ipv4.src_addr = switch_ip;
+        hdr.ipv4.dst_addr = member_ip;
+        hdr.ipv4.ttl = 64;
+        hdr.ipv4.identification = 0;
+        hdr.ipv4.flags = 2;              /* DF */
+        hdr.ipv4.frag_offset = 0;
+        hdr.ipv4.protocol = IP_PROTO_UDP;
+        hdr.udp.src_port = AGG_PORT_BASE;
+        hdr.udp.dst_port = member_udp_port;
+        hdr.udp.checksum = 0;
+        hdr.agg.worker = meta.dest_worker;
+    }
+
+    action unknown_member() {
+        mark_to_drop(standard_metadata);
+    }
+
+    table member_addresses {
+        key = {
+            hdr.agg.job      : exact;
+            meta.dest_worker : exact;
+        }
+        actions = { address_member; unknown_member; }
+        const default_action = unknown_member();
+        size = 32 * MAX_JOBS;
+    }
+
+    apply {
+        if (meta.is_multicast == 1) {
+            meta.dest_worker = (bit<8>)standard_metadata.egress_rid;
+        }
+        member_addresses.apply();
+        /* Anything past the UDP length (trailing bytes of a padded or over-long
+         * frame) is unparsed payload: cut it so the frame ends with the header. */
+        truncate(L2_TO_AGG_LEN + (bit<32>)meta.out_payload_len);
+    }
+}
+
+#endif
