@@ -1,0 +1,215 @@
+/* SPDX-License-Identifier: BSD-3-Clause
+ *
+ * THC-INA switch core: the wire protocol of docs/protocol.md (v1) on plain byte
+ * buffers. Nothing here depends on DPDK, so the same code runs in the DPDK
+ * application (main.c), in the sanitizer fuzz harness (fuzz_harness.c) and in the
+ * benchmark. The caller owns packet buffers; the core parses, validates, updates
+ * slot state and writes the frames it emits into buffers the caller hands it.
+ */
+#ifndef AGG_CORE_H
+#define AGG_CORE_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#define AGG_VERSION        1
+#define AGG_PORT_BASE      50000u
+#define AGG_PORT_MASK      0xFFF0u
+#define AGG_HEADER_LEN     32u
+#define AGG_MAX_VALUES     1024u
+#define AGG_MAX_WORKERS    32u
+#define AGG_MAX_SLOTS      65536u
+#define AGG_MAX_PORTS      32u
+#define AGG_NUM_QUEUES     8u
+#define AGG_TABLE_SIZE     16u
+#define AGG_LANE_MAX       255u
+
+#define AGG_TYPE_DATA      0
+#define AGG_TYPE_RESULT    1
+#define AGG_TYPE_STRAGGLER 2
+#define AGG_TYPE_FLUSH     3
+
+#define AGG_FLAG_RETX      0x01
+#define AGG_FLAG_RESERVE   0x02
+#define AGG_FLAG_LATE      0x04
+
+#define ETH_HLEN_          14u
+#define IPV4_HLEN_         20u
+#define UDP_HLEN_          8u
+#define AGG_L2L4_LEN       (ETH_HLEN_ + IPV4_HLEN_ + UDP_HLEN_)   /* 42 */
+#define AGG_MIN_FRAME      (AGG_L2L4_LEN + AGG_HEADER_LEN)        /* 74 */
+
+/* Per-job counters, docs/protocol.md §4.5 (names match the JSON keys). */
+#define AGG_JOB_COUNTERS(X) \
+	X(rx) X(aggregated) X(results_multicast) X(results_reserved) \
+	X(straggler_notices) X(flushes) X(drop_bad_slot) X(drop_not_member) \
+	X(drop_bad_expected) X(drop_duplicate)
+
+/* Global counters, docs/protocol.md §4.5. */
+#define AGG_GLOBAL_COUNTERS(X) \
+	X(drop_truncated) X(drop_bad_version) X(drop_bad_type) X(drop_bad_length) \
+	X(drop_unknown_job) X(drop_not_routable) X(dlcp_selective_drop) \
+	X(dlcp_buffer_drop) X(dlcp_ce_marked) X(forwarded)
+
+#define AGG_DECLARE_COUNTER(name) uint64_t name;
+
+struct agg_job_counters { AGG_JOB_COUNTERS(AGG_DECLARE_COUNTER) };
+struct agg_global_counters { AGG_GLOBAL_COUNTERS(AGG_DECLARE_COUNTER) };
+
+struct agg_member {
+	uint8_t  valid;
+	uint16_t port;          /* switch port the worker is attached to */
+	uint8_t  mac[6];
+	uint32_t ip;            /* host byte order */
+	uint16_t udp_port;
+	/* Everything this member receives starts with these Ethernet/IPv4/UDP bytes;
+	 * only ToS, the lengths and the IPv4 checksum vary (filled by agg_switch_ready). */
+	uint8_t  l2l4[AGG_L2L4_LEN];
+	uint32_t ip_csum_base;  /* ones'-complement sum of the fixed IPv4 words */
+};
+
+/* One of the two copies of a slot (selected by round parity). The header fields
+ * of the completing packet are kept so a re-serve can rebuild the result. */
+struct agg_copy {
+	uint32_t round;
+	uint32_t bitmap;
+	uint32_t expected;
+	uint32_t tensor;
+	uint32_t offset;
+	uint16_t num_values;
+	uint8_t  count;
+	uint8_t  done;
+	uint8_t  min_count;
+	uint8_t  sums[AGG_MAX_VALUES] __attribute__((aligned(16)));
+};
+
+struct agg_slot {
+	struct agg_copy copy[2];
+};
+
+struct agg_job {
+	uint16_t id;
+	uint32_t pool_size;
+	uint8_t  table[AGG_TABLE_SIZE];
+	/* pair_lut[b]: the table values of both nibbles of packed byte b, the even
+	 * value (high nibble) in the low byte: two 8-bit lanes per lookup. */
+	uint16_t pair_lut[256];
+	struct agg_member members[AGG_MAX_WORKERS];
+	uint32_t num_members;
+	uint8_t  member_ids[AGG_MAX_WORKERS];   /* valid worker ids, ascending */
+	struct agg_slot *slots;
+	struct agg_job_counters c;
+};
+
+struct agg_route {
+	uint32_t prefix;        /* host byte order, masked */
+	uint8_t  depth;
+	uint16_t port;
+	uint8_t  mac[6];        /* next-hop MAC */
+};
+
+struct agg_dscp_class {
+	uint8_t queue;
+	uint8_t is_data;
+};
+
+struct agg_dlcp_config {
+	struct agg_dscp_class dscp[64];
+	uint32_t threshold[AGG_NUM_QUEUES];
+	uint32_t capacity;
+};
+
+/* Longest-prefix-match hook: returns the route index or -1. The DPDK app plugs
+ * rte_lpm in; without a hook the core scans its (depth-sorted) route list. */
+typedef int (*agg_route_lookup_fn)(void *ctx, uint32_t dst_ip);
+
+struct agg_switch {
+	uint8_t  mac[6];
+	uint32_t ip;
+	struct agg_job *jobs;
+	uint32_t num_jobs;
+	int32_t  *job_index;            /* 65536 entries: job id -> jobs[] index or -1 */
+	struct agg_route *routes;
+	uint32_t num_routes;
+	struct agg_dlcp_config dlcp;
+	uint16_t max_port;              /* highest port any member or route uses */
+	agg_route_lookup_fn route_lookup;
+	void *route_ctx;
+	struct agg_global_counters g;
+};
+
+/* Where emitted frames go: alloc returns a writable buffer of len bytes that
+ * leaves through port (or NULL when out of buffers: the emission is skipped). */
+struct agg_emitter {
+	uint8_t *(*alloc)(void *ctx, uint16_t port, uint16_t len);
+	void *ctx;
+	/* Optional header-only replication of a multicast result (NULL: every
+	 * member's frame is built whole with alloc). share() takes the payload once;
+	 * until unshare(), alloc_header() returns a buffer for the first hdr_len bytes
+	 * of a frame that continues with that payload. */
+	int (*share)(void *ctx, const uint8_t *payload, uint16_t len);
+	uint8_t *(*alloc_header)(void *ctx, uint16_t port, uint16_t hdr_len);
+	void (*unshare)(void *ctx);
+};
+
+enum agg_verdict {
+	AGG_CONSUMED = 0,   /* dropped or absorbed: the caller frees the input */
+	AGG_FORWARD = 1,    /* rewritten in place, send it out of *out_port */
+};
+
+/* Config file (written by dataplane/dpdk_config.py). Returns 0, or -1 with a
+ * message in err that says what to change. */
+int agg_config_load(struct agg_switch *sw, const char *path, char *err, size_t errlen);
+int agg_config_parse(struct agg_switch *sw, FILE *f, char *err, size_t errlen);
+void agg_switch_free(struct agg_switch *sw);
+/* Precompute per-member emission templates (called by agg_config_parse). */
+void agg_switch_ready(struct agg_switch *sw);
+
+/* Process one frame received on in_port. */
+enum agg_verdict agg_process(struct agg_switch *sw, uint16_t in_port, uint8_t *frame,
+			     uint32_t len, const struct agg_emitter *em, uint16_t *out_port);
+
+/* Prefetch the slot copy a frame will touch (call a packet ahead, l3fwd style). */
+void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t len);
+
+/* Lane kernels (exported so the fuzz harness can check they agree). */
+void agg_add_lanes_lut(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+		       const uint16_t *pair_lut, const uint8_t *table);
+void agg_add_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+		   const struct agg_job *job);
+/* sums[i] = T[idx[i]] for i < num_values (a round's first contribution). */
+void agg_store_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+		     const struct agg_job *job);
+
+/* DLCP egress (docs/protocol.md §6): 8 strict-priority FIFOs per port. */
+struct dlcp_queue {
+	void   **ring;
+	uint32_t head;
+	uint32_t count;
+	uint32_t cap;
+};
+
+struct dlcp_port {
+	struct dlcp_queue q[AGG_NUM_QUEUES];
+	uint32_t queued;            /* total over the 8 queues */
+	int      unlimited;         /* no service-rate limit: admission sees no backlog */
+};
+
+/* ring_size: physical slots per queue (>= the configured capacity). */
+int  dlcp_port_init(struct dlcp_port *p, uint32_t ring_size, int unlimited);
+void dlcp_port_free(struct dlcp_port *p);
+/* Admit pkt (whose frame bytes are frame/len) or drop it: returns 1 when
+ * enqueued, 0 when the caller must free it. May CE-mark the frame in place. */
+int  dlcp_enqueue(struct agg_switch *sw, struct dlcp_port *p, uint8_t *frame,
+		  uint32_t len, void *pkt);
+/* The admission decision alone (classification, drop, CE mark): the queue the
+ * frame belongs to, or -1 when it is dropped. */
+int  dlcp_admit(struct agg_switch *sw, struct dlcp_port *p, uint8_t *frame, uint32_t len);
+/* Head of the highest non-empty queue, or NULL. */
+void *dlcp_dequeue(struct dlcp_port *p);
+
+/* JSON statistics: {"global": {...}, "jobs": {"id": {...}}}; extra is written
+ * verbatim as further top-level members when non-NULL (e.g. "ports"). */
+void agg_write_stats_json(const struct agg_switch *sw, FILE *f, const char *extra);
+
+#endif

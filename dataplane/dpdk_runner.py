@@ -1,0 +1,295 @@
+"""Run the DPDK switch (dataplane/dpdk/build/thc_switch).
+
+* `run_pcap`: the deterministic mode the packet suite, the tests and the benchmark
+  use: one net_pcap virtual device per switch port (rx_pcap = what arrives on the
+  port, tx_pcap = what leaves it), a schedule file fixing the cross-port arrival
+  order, EAL without hugepages or PCI. Statistics come back as the switch's JSON.
+* `LiveSwitch`: live ports (net_af_packet on veths, as the testbed uses it).
+* `TapService`: behind a kernel tap, so UDP sockets on this host are its workers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from dataplane.config import SwitchConfig
+from dataplane.dpdk_config import write_config
+
+DPDK_DIR = Path(__file__).resolve().parent / "dpdk"
+SWITCH_BIN = DPDK_DIR / "build" / "thc_switch"
+
+_PCAP_MAGIC = 0xA1B2C3D4
+_PCAP_GLOBAL = struct.Struct("<IHHiIII")
+_PCAP_RECORD = struct.Struct("<IIII")
+
+
+class SwitchError(RuntimeError):
+    """The switch refused its configuration or failed; the message is its own."""
+
+
+def write_pcap(path: Path, frames: list[bytes]) -> None:
+    with open(path, "wb") as f:
+        f.write(_PCAP_GLOBAL.pack(_PCAP_MAGIC, 2, 4, 0, 0, 65535, 1))
+        for i, frame in enumerate(frames):
+            f.write(_PCAP_RECORD.pack(i // 1_000_000, i % 1_000_000, len(frame), len(frame)))
+            f.write(frame)
+
+
+def read_pcap(path: Path) -> list[bytes]:
+    data = Path(path).read_bytes()
+    if len(data) < _PCAP_GLOBAL.size:
+        return []
+    magic = struct.unpack_from("<I", data)[0]
+    endian = "<" if magic in (0xA1B2C3D4, 0xA1B23C4D) else ">"
+    rec = struct.Struct(endian + "IIII")
+    frames, pos = [], _PCAP_GLOBAL.size
+    while pos + rec.size <= len(data):
+        _, _, incl, _ = rec.unpack_from(data, pos)
+        pos += rec.size
+        frames.append(data[pos:pos + incl])
+        pos += incl
+    return frames
+
+
+def build(quiet: bool = True) -> Path:
+    """Build the switch if needed (make -C dataplane/dpdk) and return the binary."""
+    res = subprocess.run(["make", "-C", str(DPDK_DIR)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SwitchError(f"building the DPDK switch failed:\n{res.stdout}\n{res.stderr}")
+    return SWITCH_BIN
+
+
+def available() -> tuple[bool, str]:
+    """Whether the switch can run here, and why not."""
+    if shutil.which("pkg-config") is None or subprocess.run(
+            ["pkg-config", "--exists", "libdpdk"]).returncode != 0:
+        return False, "DPDK not installed (Debian packages libdpdk-dev dpdk pkg-config)"
+    try:
+        build()
+    except SwitchError as exc:
+        return False, str(exc).splitlines()[0]
+    if os.geteuid() != 0:
+        return False, "the DPDK switch needs root for EAL (even with --no-huge)"
+    return True, ""
+
+
+def eal_args(vdevs: list[str]) -> list[str]:
+    # One lcore, no hugepages, no PCI scan, private memory: several switches may
+    # run side by side (tests, the testbed) without sharing /var/run/dpdk state.
+    args = ["-l", "0", "--no-huge", "--no-pci", "-m", "256", "--no-shconf",
+            "--no-telemetry", "--log-level", "*:error"]
+    for v in vdevs:
+        args += ["--vdev", v]
+    return args
+
+
+def num_ports_for(config: SwitchConfig, ingress_ports=()) -> int:
+    ports = [m.port for j in config.jobs for m in j.members]
+    ports += [r.port for r in config.routes] + list(ingress_ports)
+    return max(ports, default=0) + 1
+
+
+def run_pcap(config: SwitchConfig, batches: list[list[tuple[int, bytes]]],
+             port_rates: dict[int, float] | None = None, num_ports: int | None = None,
+             timeout: float = 60.0, workdir: str | Path | None = None,
+             binary: Path = SWITCH_BIN) -> tuple[dict[int, list[bytes]], dict]:
+    """Feed batches of (ingress port, frame) through one switch process.
+
+    Between batches every queue drains (a paused port's input is exhausted at the
+    end of each batch). Returns ({egress port: [frames in order]}, stats JSON).
+    """
+    frames = [pf for batch in batches for pf in batch]
+    n_ports = num_ports or num_ports_for(config, [p for p, _ in frames])
+    with tempfile.TemporaryDirectory(prefix="thc_dpdk_", dir=workdir) as tmp:
+        tmp = Path(tmp)
+        conf = write_config(config, tmp / "switch.conf")
+        vdevs = []
+        for p in range(n_ports):
+            write_pcap(tmp / f"in{p}.pcap", [f for q, f in frames if q == p])
+            vdevs.append(f"net_pcap{p},rx_pcap={tmp}/in{p}.pcap,tx_pcap={tmp}/out{p}.pcap")
+        sched = []
+        for batch in batches:
+            sched += [str(p) for p, _ in batch] + ["drain"]
+        (tmp / "schedule").write_text("\n".join(sched) + "\n")
+        cmd = [str(binary), *eal_args(vdevs), "--", "--config", str(conf),
+               "--stats", str(tmp / "stats.json"), "--schedule", str(tmp / "schedule")]
+        for port, rate in (port_rates or {}).items():
+            cmd += ["--rate", f"{port}:{float(rate)}"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0:
+            raise SwitchError(f"thc_switch exited with {res.returncode}: "
+                              f"{res.stderr.strip() or res.stdout.strip()}")
+        stats = json.loads((tmp / "stats.json").read_text())
+        outputs = {p: read_pcap(tmp / f"out{p}.pcap") for p in range(n_ports)}
+    return outputs, stats
+
+
+# ---------------------------------------------------------------------------- live
+
+class LiveSwitch:
+    """The switch on live ports (net_af_packet on veths, net_tap, NICs) until stop().
+
+    `vdevs` are EAL --vdev strings, one per switch port in port order. start() returns
+    once the poll loop runs (the switch prints "... running"); counters() asks for
+    statistics with SIGUSR1; stop() sends SIGTERM and returns the final statistics.
+    """
+
+    def __init__(self, config: SwitchConfig, vdevs: list[str],
+                 port_rates: dict[int, float] | None = None, workdir: str | Path | None = None,
+                 binary: Path = SWITCH_BIN, start_timeout: float = 30.0):
+        self.config, self.vdevs, self.port_rates = config, list(vdevs), dict(port_rates or {})
+        self.binary, self.start_timeout = binary, start_timeout
+        self._tmp = tempfile.TemporaryDirectory(prefix="thc_dpdk_live_", dir=workdir)
+        self.workdir = Path(self._tmp.name)
+        self.stats_path = self.workdir / "stats.json"
+        self.log_path = self.workdir / "switch.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "LiveSwitch":
+        conf = write_config(self.config, self.workdir / "switch.conf")
+        cmd = [str(self.binary), *eal_args(self.vdevs), "--", "--config", str(conf),
+               "--stats", str(self.stats_path)]
+        for port, rate in self.port_rates.items():
+            cmd += ["--rate", f"{port}:{float(rate)}"]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        line = self._wait_line("running", self.start_timeout)
+        if line is None:
+            self.stop()
+            raise SwitchError(f"thc_switch did not start: {self.log_path.read_text().strip()}")
+        return self
+
+    def _wait_line(self, marker: str, timeout: float) -> str | None:
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    continue
+                line = self.proc.stdout.readline()
+                if not line:
+                    return None               # exited
+                if marker in line:
+                    return line
+        finally:
+            sel.unregister(self.proc.stdout)
+        return None
+
+    def counters(self, timeout: float = 10.0) -> dict:
+        """Statistics now (SIGUSR1): {"global", "jobs", "ports"}."""
+        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else None
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
+                return json.loads(self.stats_path.read_text())
+            time.sleep(0.02)
+        raise SwitchError("thc_switch wrote no statistics after SIGUSR1")
+
+    def stop(self) -> dict | None:
+        """SIGTERM; the final statistics (None when it never wrote any)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stdout.close()
+            self._log.close()
+        stats = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
+        self._tmp.cleanup()
+        self.proc = None
+        return stats
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def af_packet_vdevs(ifaces: list[str]) -> list[str]:
+    """One net_af_packet port per interface, port i = ifaces[i]."""
+    return [f"net_af_packet{p},iface={iface}" for p, iface in enumerate(ifaces)]
+
+
+def _ip(*args: str) -> None:
+    res = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SwitchError(f"ip {' '.join(args)}: {res.stderr.strip()}")
+
+
+class TapService(LiveSwitch):
+    """The switch behind one kernel tap interface: UDP sockets on this host are its
+    workers (a loopback service, like dataplane.udp_service but through DPDK).
+
+    Every member must be on switch port 0 with one MAC and IPv4 address: the tap's.
+    The tap gets that MAC and address, a host route to the switch's IP and a static
+    neighbour entry (the switch answers no ARP). Workers send AGG packets with UDP to
+    (config.ip, 50000) from their member UDP port; results come back the same way.
+    """
+
+    def __init__(self, config: SwitchConfig, tap: str = "thctap0", **kw):
+        members = [m for j in config.jobs for m in j.members]
+        addrs = {(m.port, m.mac.lower(), m.ip) for m in members}
+        if len(addrs) != 1 or next(iter(addrs))[0] != 0:
+            raise SwitchError("a tap service needs every member on port 0 with one MAC and IPv4 "
+                              f"address (the tap's); got {sorted(addrs)}")
+        _, self.host_mac, self.host_ip = next(iter(addrs))
+        self.tap = tap
+        super().__init__(config, [f"net_tap0,iface={tap}"], **kw)
+
+    def start(self) -> "TapService":
+        super().start()
+        try:
+            subprocess.run(["sysctl", "-q", "-w", f"net.ipv6.conf.{self.tap}.disable_ipv6=1"],
+                           capture_output=True)
+            _ip("link", "set", self.tap, "address", self.host_mac)
+            _ip("addr", "replace", f"{self.host_ip}/32", "dev", self.tap)
+            _ip("link", "set", self.tap, "up")
+            _ip("route", "replace", f"{self.config.ip}/32", "dev", self.tap, "src", self.host_ip)
+            _ip("neigh", "replace", self.config.ip, "lladdr", self.config.mac, "dev", self.tap,
+                "nud", "permanent")
+        except SwitchError:
+            self.stop()
+            raise
+        return self
+
+
+def main(argv=None) -> int:
+    """`python -m dataplane.dpdk_runner tap --config job.json [--tap thctap0]`: serve
+    the job's UDP workers on this host through the DPDK switch until SIGINT/SIGTERM."""
+    import argparse
+    ap = argparse.ArgumentParser(description="Run the DPDK switch as a service on this host.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tap = sub.add_parser("tap", help="the switch behind a tap interface (loopback service)")
+    tap.add_argument("--config", required=True, help="a SwitchConfig saved as JSON")
+    tap.add_argument("--tap", default="thctap0")
+    args = ap.parse_args(argv)
+    config = SwitchConfig.load(args.config)
+    service = TapService(config, tap=args.tap).start()
+    print(f"serving at {config.ip}:50000 through {args.tap}", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop and service.proc.poll() is None:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    print(json.dumps(service.stop()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
