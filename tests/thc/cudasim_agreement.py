@@ -1,0 +1,68 @@
+"""Run by test_cuda_sim.py in a subprocess: NUMBA_ENABLE_CUDASIM must be set before
+numba.cuda is first imported. Compares the CUDA kernels (simulated) with the CPU kernels
+and exits non-zero with a message on any disagreement."""
+import os
+import sys
+import warnings
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+warnings.simplefilter("ignore")          # uint64 wrap-around warnings in simulated hashes
+
+import numpy as np                        # noqa: E402
+from numba import cuda                    # noqa: E402
+
+import thc                                # noqa: E402
+from thc import cuda_kernels              # noqa: E402
+
+
+def check(cond, what):
+    if not cond:
+        print(f"MISMATCH: {what}")
+        sys.exit(1)
+
+
+def main():
+    rs = np.random.default_rng(0)
+    for d in (3, 70, 300):                  # one partition, a padded tail, three partitions
+        codec = thc.THCCodec(partition_size=128, seed=3)
+        x = rs.standard_normal(d).astype(np.float32)
+        x_dev = cuda.to_device(x)
+        norms = codec.partition_norms(x)
+        check(np.allclose(codec.partition_norms(x_dev), norms, rtol=1e-6), f"norms d={d}")
+        rot = codec.rotate(x)
+        check(np.allclose(codec.rotate(x_dev).copy_to_host(), rot, atol=1e-6), f"rotate d={d}")
+        scaled = norms * np.float32(0.8)       # clamp some coordinates too
+        packed = codec.quantize(rot, scaled, worker=2, round=9, tensor=4)
+        packed_dev = codec.quantize(cuda.to_device(rot), scaled, worker=2, round=9, tensor=4)
+        check(np.array_equal(packed_dev.copy_to_host(), packed), f"quantize indices d={d}")
+        values = codec.lookup(packed)
+        check(np.array_equal(codec.lookup(cuda.to_device(packed)).copy_to_host(), values),
+              f"lookup d={d}")
+        sums = values.astype(np.int32) * 3
+        counts = np.full(len(sums), 3, dtype=np.int32)
+        counts[:2] = 0
+        want = codec.decode(sums, counts, scaled, d)
+        got = codec.decode(cuda.to_device(sums), counts, scaled, d).copy_to_host()
+        check(np.allclose(got, want, atol=1e-5), f"decode d={d}")
+        back = codec.inverse_rotate(cuda.to_device(rot), d).copy_to_host()
+        check(np.allclose(back, x, atol=1e-5), f"inverse d={d}")
+    # global (radix-4 and radix-2) FWHT stages, with a tiny shared-memory block
+    cuda_kernels.SHARED_FWHT = 8
+    codec = thc.THCCodec(partition_size=128, seed=3)
+    x = rs.standard_normal(300).astype(np.float32)     # 2 x 128 (log 7) + 64 (log 6)
+    rot = codec.rotate(cuda.to_device(x)).copy_to_host()
+    check(np.allclose(rot, codec.rotate(x), atol=1e-5), "rotate with global stages")
+    back = codec.inverse_rotate(cuda.to_device(rot), 300).copy_to_host()
+    check(np.allclose(back, x, atol=1e-5), "inverse with global stages")
+    bad = np.ones(8, np.float32)
+    bad[5] = np.nan
+    try:
+        codec.quantize(cuda.to_device(bad), np.ones(1, np.float32), worker=0, round=0, tensor=0)
+        check(False, "NaN not reported by the CUDA quantizer")
+    except thc.NonFiniteError:
+        pass
+    print("CUDA simulator agrees with CPU kernels")
+
+
+if __name__ == "__main__":
+    main()

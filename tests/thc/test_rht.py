@@ -1,0 +1,117 @@
+import numpy as np
+import pytest
+import torch
+
+import thc
+from thc import reference
+from thc.layout import Layout
+
+
+@pytest.fixture(scope="module")
+def rs():
+    return np.random.default_rng(1)
+
+
+@pytest.mark.parametrize("d", [0, 1, 2, 3, 7, 8, 100, 1000, 4096, 3 * 1024 + 5])
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_inverse_and_norm(d, backend, rs):
+    codec = thc.THCCodec(partition_size=1024, backend=backend, seed=7)
+    x = rs.standard_normal(d).astype(np.float32)
+    y = codec.rotate(x)
+    assert y.dtype == np.float32 and len(y) == codec.padded_length(d)
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x), rel=1e-5, abs=1e-6)
+    back = codec.inverse_rotate(y, d)
+    np.testing.assert_allclose(back, x, atol=1e-5)
+
+
+def test_padded_lengths():
+    codec = thc.THCCodec(partition_size=1024)
+    assert [codec.padded_length(d) for d in (0, 1, 2, 3, 5, 1024, 1025, 2048 + 300)] == \
+        [0, 2, 2, 4, 8, 1024, 1026, 2048 + 512]
+    assert codec.num_partitions(2048 + 300) == 3
+    with pytest.raises(ValueError, match="power of two"):
+        thc.THCCodec(partition_size=1000)
+
+
+def test_cpu_kernels_match_reference(rs):
+    x = rs.standard_normal(5000).astype(np.float32)
+    ref = thc.THCCodec(partition_size=2048, backend="numpy")
+    cpu = thc.THCCodec(partition_size=2048, backend="cpu")
+    np.testing.assert_allclose(cpu.rotate(x), ref.rotate(x), atol=1e-5)
+    np.testing.assert_allclose(cpu.partition_norms(x), ref.partition_norms(x), rtol=1e-6)
+
+
+def test_fwht_matches_hadamard_matrix(rs):
+    from scipy.linalg import hadamard
+    from thc.cpu_kernels import fwht_inplace
+    for n in (2, 8, 64, 1 << 13):
+        v = rs.standard_normal(n).astype(np.float32)
+        want = hadamard(n) @ v.astype(np.float64)
+        np.testing.assert_allclose(reference.fwht(v), want, atol=1e-3)
+        buf = np.concatenate([np.zeros(3, np.float32), v])
+        fwht_inplace(buf, 3, n)
+        np.testing.assert_allclose(buf[3:], want, atol=1e-3)
+
+
+def test_rotated_coordinates_look_gaussian(rs):
+    d = 1 << 16
+    x = rs.lognormal(size=d).astype(np.float32)         # skewed input
+    codec = thc.THCCodec(partition_size=d)
+    y = codec.rotate(x)
+    sigma = np.linalg.norm(x) / np.sqrt(d)
+    assert y.std() == pytest.approx(sigma, rel=0.02)
+    outside = np.mean(np.abs(y) > codec.t_p * sigma)
+    assert outside == pytest.approx(1 / 32, abs=0.004)
+
+
+def test_signs_depend_on_seed_and_are_balanced():
+    pos = np.arange(1 << 14)
+    a = thc.rng.signs_np(thc.rng.rademacher_key(0), pos)
+    b = thc.rng.signs_np(thc.rng.rademacher_key(1), pos)
+    assert abs(a.mean()) < 0.03 and abs(b.mean()) < 0.03
+    assert np.mean(a != b) == pytest.approx(0.5, abs=0.03)
+
+
+def test_torch_in_torch_out_zero_copy(rs):
+    codec = thc.THCCodec(partition_size=256)
+    x = torch.from_numpy(rs.standard_normal(300).astype(np.float32))
+    y = codec.rotate(x)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float32 and y.numel() == 256 + 64
+    back = codec.inverse_rotate(y, 300)
+    assert isinstance(back, torch.Tensor)
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=0)
+    # a 2-D float64 tensor is flattened and converted
+    z = codec.rotate(x.double().reshape(3, 100))
+    torch.testing.assert_close(z, y, atol=1e-6, rtol=0)
+
+
+def test_layout_partitions():
+    lay = Layout(2 * 1024 + 3, 1024)
+    assert lay.sizes().tolist() == [1024, 1024, 4]
+    assert lay.data_lengths().tolist() == [1024, 1024, 3]
+    assert lay.starts().tolist() == [0, 1024, 2048]
+
+
+def test_torch_reference_matches_codec(rs):
+    from thc.torch_reference import TorchTHC
+    codec = thc.THCCodec(partition_size=512)
+    ref = TorchTHC(codec)
+    x = torch.from_numpy(rs.standard_normal(1500).astype(np.float32))
+    torch.testing.assert_close(ref.rotate(x), codec.rotate(x), atol=1e-5, rtol=0)
+    norms = ref.partition_norms(x)
+    np.testing.assert_allclose(norms.numpy(), codec.partition_norms(x), rtol=1e-5)
+    packed = ref.quantize(ref.rotate(x), norms)
+    assert torch.equal(ref.lookup(packed), codec.lookup(packed))
+    est = ref.decode(ref.lookup(packed).int(), 1, norms, 1500)
+    err = float(((est - x) ** 2).sum() / (x ** 2).sum())
+    assert err < 0.03
+
+
+@pytest.mark.parametrize("partition_size", [2, 4, 8, 64, 1 << 12])
+@pytest.mark.parametrize("d", [5, 63, 64, 65, 5000])
+def test_every_partition_size_matches_reference(partition_size, d, rs):
+    x = rs.standard_normal(d).astype(np.float32)
+    ref = thc.THCCodec(partition_size=partition_size, backend="numpy")
+    cpu = thc.THCCodec(partition_size=partition_size, backend="cpu")
+    np.testing.assert_allclose(cpu.rotate(x), ref.rotate(x), atol=1e-5)
+    np.testing.assert_allclose(cpu.inverse_rotate(cpu.rotate(x), d), x, atol=1e-5)

@@ -1,0 +1,44 @@
+"""The demo and the benchmarks run end to end on small sizes and write what they promise."""
+import json
+import re
+
+import pytest
+
+from thc import bench, demo
+
+
+def test_demo_trains_with_compressed_gradients(capsys):
+    demo.main(["--workers", "2", "--rounds", "3", "--partition-log2", "12"])
+    out = capsys.readouterr().out
+    median = float(re.search(r"median ([0-9.]+)", out).group(1))
+    assert median < 0.1                       # the decoded mean is close to the exact mean
+    assert "test accuracy" in out and "bits per coordinate: up 4." in out
+
+
+def test_demo_refuses_lane_overflow():
+    from thc import LaneOverflowError
+    with pytest.raises(LaneOverflowError, match="granularity <= 28"):
+        demo.main(["--workers", "9", "--rounds", "1"])
+
+
+def test_bench_nmse_and_speed_write_json(tmp_path, capsys):
+    bench.main(["nmse", "--log2d", "10", "--reps", "1", "--json", str(tmp_path / "n.json"),
+                "--plot", str(tmp_path / "n.png")])
+    result = json.loads((tmp_path / "n.json").read_text())
+    assert (tmp_path / "n.png").stat().st_size > 1000
+    one = next(r for r in result["copies"] if r["n"] == 1)
+    assert one["nmse"] == pytest.approx(one["analytic"], rel=0.3)
+    import numba
+    import torch
+    threads = numba.get_num_threads(), torch.get_num_threads()
+    try:
+        bench.main(["speed", "--log2d", "12", "--reps", "1", "--threads", "1",
+                    "--json", str(tmp_path / "s.json")])
+    finally:
+        numba.set_num_threads(threads[0])
+        torch.set_num_threads(threads[1])
+    speed = json.loads((tmp_path / "s.json").read_text())
+    stages = {s["stage"] for s in speed["stages"]}
+    assert {"RHT", "quantize+pack", "table lookup"} <= stages
+    assert all(s["numba_gbs"] > 0 and s["torch_gbs"] > 0 for s in speed["stages"])
+    assert "Numba/torch" in capsys.readouterr().out

@@ -1,0 +1,330 @@
+"""THC codec benchmarks.
+
+    python -m thc.bench nmse  [--json F] [--plot P] [--log2d 16] [--reps 3]
+    python -m thc.bench speed [--json F] [--log2d 24] [--reps 5]
+
+nmse reproduces the digest's §8.2 numbers (single worker, identical copies, bit sweep,
+baselines) next to the analytic/expected values, and saves a plot. speed measures compress
+(norms + RHT + quantize) and decompress (decode + inverse RHT) throughput in GB/s of float32
+input for the Numba CPU kernels and a plain torch implementation of the same algorithm, in
+the same run, with a memory copy as the bandwidth bound (CUDA columns when a GPU exists).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from . import baselines as B
+from .codec import THCCodec
+from .tables import expected_nmse, optimal_table
+
+DIGEST_SWEEP = {(2, 3): 0.081, (2, 8): 0.063, (3, 7): 0.0149, (3, 10): 0.0122, (3, 20): 0.0105,
+                (4, 15): 0.0034, (4, 20): 0.0024, (4, 30): 0.0026, (4, 51): 0.0023}
+PLOT_SWEEP = {2: (3, 5, 8, 12), 3: (7, 10, 15, 20, 30), 4: (15, 20, 30, 40, 51)}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numba
+    import torch
+    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "numpy": np.__version__, "gpu": None}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def print_table(title, headers, rows):
+    print(f"\n{title}")
+    widths = [max(len(str(h)), *(len(_fmt(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(_fmt(v).ljust(w) for v, w in zip(r, widths)))
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+# ---- nmse -------------------------------------------------------------------------------
+def _mean_nmse(comp, grads_fn, reps, truth_fn=None):
+    vals = []
+    for r in range(reps):
+        grads = grads_fn(r)
+        truth = truth_fn(grads) if truth_fn else np.mean(grads, axis=0)
+        vals.append(B.nmse(comp.aggregate(grads, round=r), truth))
+        comp.reset()
+    return float(np.mean(vals))
+
+
+class _CodecCompressor(B.Compressor):
+    """THCCodec (the 4-bit fast path, 8-bit lanes) behind the baseline interface."""
+
+    def __init__(self, codec):
+        self.codec = codec
+        self.name = "THCCodec b=4 g=30 (Numba)"
+
+    def aggregate(self, grads, round=0):
+        return self.codec.simulate_allreduce(grads, round=round)
+
+    def bits_up(self, n):
+        return 4.0
+
+    def bits_down(self, n):
+        return 8.0
+
+
+def run_nmse(log2d=16, reps=3, plot=None):
+    d = 1 << log2d
+    rs = np.random.default_rng(0)
+    gauss = [rs.standard_normal(d).astype(np.float32) for _ in range(max(reps, 4) * 4)]
+    logn = [rs.lognormal(size=d).astype(np.float32) for _ in range(max(reps, 4) * 4)]
+    results = {"d": d, "reps": reps}
+    progress = tqdm(total=4, desc="nmse", file=sys.stderr)
+
+    # 1+2: identical copies of one Gaussian vector, against 0.01306/n + 0.00727
+    table = optimal_table(4, 30, 1 / 32)
+    rows = []
+    for n in (1, 2, 4, 8, 10, 64):
+        comp = (_CodecCompressor(THCCodec(symmetric=False, partition_size=d)) if n <= 8 else
+                B.THCCompressor(4, 30, 1 / 32, partition_size=d))
+        got = _mean_nmse(comp, lambda r: [gauss[r]] * n, reps)
+        rows.append([n, comp.name, got, expected_nmse(table, 1 / 32, n)])
+    print_table(f"THC b=4 g=30 p=1/32, n identical Gaussian copies, d=2^{log2d}",
+                ["n", "implementation", "NMSE", "analytic 0.01306/n+0.00727"], rows)
+    results["copies"] = [dict(zip(["n", "impl", "nmse", "analytic"], r)) for r in rows]
+    indep = _mean_nmse(B.THCCompressor(4, 30, 1 / 32, partition_size=d),
+                       lambda r: gauss[4 * r:4 * r + 4], reps)
+    print(f"4 independent Gaussian workers, NMSE vs true mean: {indep:.4f} (expect ~0.0203)")
+    results["independent_4"] = indep
+    progress.update()
+
+    # 3: bit/granularity sweep, lognormal copied to 10 workers, p = 1/1024 (App. D.4)
+    rows, curves = [], {}
+    for bits, gs in PLOT_SWEEP.items():
+        for g in sorted(set(gs) | {gg for (bb, gg) in DIGEST_SWEEP if bb == bits}):
+            comp = B.THCCompressor(bits, g, 1 / 1024, partition_size=d)
+            got = _mean_nmse(comp, lambda r: [logn[r]] * 10, reps)
+            curves.setdefault(bits, []).append((g, got))
+            if (bits, g) in DIGEST_SWEEP:
+                rows.append([bits, g, got, DIGEST_SWEEP[(bits, g)]])
+    print_table("Lognormal copied to 10 workers, p=1/1024 (App. D.4 style)",
+                ["b", "g", "NMSE", "digest"], rows)
+    results["sweep"] = [dict(zip(["bits", "g", "nmse", "digest"], r)) for r in rows]
+    progress.update()
+
+    # 4: baselines, 4 workers with independent gradients
+    rows = []
+    for dist, data in (("gaussian", gauss), ("lognormal", logn)):
+        for comp in B.default_compressors(partition_size=d):
+            got = _mean_nmse(comp, lambda r: data[4 * r:4 * r + 4], reps)
+            rows.append([dist, comp.name, got, comp.bits_up(4), comp.bits_down(4)])
+    print_table("Baselines, 4 workers, independent gradients (NMSE vs true mean)",
+                ["input", "compressor", "NMSE", "bits up", "bits down"], rows)
+    results["baselines"] = [dict(zip(["input", "compressor", "nmse", "bits_up", "bits_down"], r))
+                            for r in rows]
+    progress.update()
+    if plot:
+        _plot_nmse(curves, rows, plot)
+        print(f"\nplot saved to {plot}")
+        results["plot"] = str(plot)
+    progress.update()
+    progress.close()
+    return results
+
+
+def _plot_nmse(curves, baseline_rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for bits, pts in sorted(curves.items()):
+        g, v = zip(*sorted(pts))
+        left.plot(g, v, marker="o", label=f"b={bits}")
+    left.set_yscale("log")
+    left.set_xlabel("granularity g")
+    left.set_ylabel("NMSE")
+    left.set_title("THC, lognormal copied to 10 workers, p=1/1024")
+    left.legend()
+    logn = [r for r in baseline_rows if r[0] == "lognormal" and r[2] > 1e-9]   # fp32 is ~0
+    right.barh([r[1] for r in logn], [r[2] for r in logn], color="tab:blue")
+    right.set_xscale("log")
+    right.set_xlabel("NMSE (log)")
+    right.set_title("4 workers, lognormal gradients")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- speed ------------------------------------------------------------------------------
+def _median_time(fn, reps, sync=None):
+    fn()
+    if sync:
+        sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fwht_passes(codec, d):
+    """Memory passes of one CPU RHT: the fused sign + scale + in-cache pass (strides below
+    FWHT_BLOCK), then one per radix-4 (or final radix-2) sweep of the large strides."""
+    from .cpu_kernels import FWHT_BLOCK
+    n = min(codec.partition_size, d)
+    log_big = max(n.bit_length() - 1 - (min(n, FWHT_BLOCK).bit_length() - 1), 0)
+    return 1 + (log_big + 1) // 2
+
+
+def run_speed(log2d=24, reps=5):
+    import torch
+
+    from .torch_reference import TorchTHC
+    d = 1 << log2d
+    gbytes = 4 * d / 1e9
+    rs = np.random.default_rng(0)
+    x = rs.standard_normal(d).astype(np.float32)
+    codec = THCCodec(backend="cpu")
+    ref = TorchTHC(codec)
+    xt = torch.from_numpy(x)
+    norms = codec.partition_norms(x)
+    rotated = codec.rotate(x)
+    packed = codec.quantize(rotated, norms, worker=0, round=0, tensor=0)
+    sums = codec.lookup(packed).astype(np.int32)
+    norms_t, rot_t, packed_t = torch.from_numpy(norms), torch.from_numpy(rotated), \
+        torch.from_numpy(packed)
+    sums_t = torch.from_numpy(sums)
+    dst = np.empty_like(x)
+
+    def compress_cpu():
+        n = codec.partition_norms(x)
+        codec.quantize(codec.rotate(x), n, worker=0, round=0, tensor=0)
+
+    def compress_torch():
+        n = ref.partition_norms(xt)
+        ref.quantize(ref.rotate(xt), n)
+
+    stages = {
+        "compress (norms+RHT+quantize)": (compress_cpu, compress_torch),
+        "decompress (decode+inverse RHT)": (lambda: codec.decode(sums, 1, norms, d),
+                                            lambda: ref.decode(sums_t, 1, norms_t, d)),
+        "RHT": (lambda: codec.rotate(x), lambda: ref.rotate(xt)),
+        "quantize+pack": (lambda: codec.quantize(rotated, norms, worker=0, round=0, tensor=0),
+                          lambda: ref.quantize(rot_t, norms_t)),
+        "table lookup": (lambda: codec.lookup(packed), lambda: ref.lookup(packed_t)),
+    }
+    copy_s = _median_time(lambda: np.copyto(dst, x), reps)
+    rows, out = [], {"d": d, "machine": machine(), "copy_gbs": gbytes / copy_s, "stages": []}
+    for name, (cpu_fn, torch_fn) in tqdm(stages.items(), desc="speed", file=sys.stderr):
+        t_cpu = _median_time(cpu_fn, reps)
+        t_torch = _median_time(torch_fn, max(2, reps // 2))
+        rows.append([name, gbytes / t_cpu, gbytes / t_torch, t_torch / t_cpu,
+                     t_cpu * 1e3, t_torch * 1e3])
+        out["stages"].append(dict(zip(["stage", "numba_gbs", "torch_gbs", "speedup",
+                                       "numba_ms", "torch_ms"], rows[-1])))
+    passes = _fwht_passes(codec, d)
+    rht = next(s for s in out["stages"] if s["stage"] == "RHT")
+    out["rht_passes"] = passes
+    out["rht_vs_copy_bound"] = rht["numba_ms"] / 1e3 / (copy_s * passes)
+    print_table(f"THC codec speed, 2^{log2d} float32 ({gbytes * 1e3:.0f} MB), median of {reps}"
+                f" (GB/s of float32 input)",
+                ["stage", "Numba CPU GB/s", "torch CPU GB/s", "Numba/torch", "Numba ms",
+                 "torch ms"], rows)
+    print(f"memory copy (bandwidth bound): {gbytes / copy_s:.2f} GB/s ({copy_s * 1e3:.1f} ms)")
+    print(f"RHT = {passes} passes over memory; time / ({passes} x copy) = "
+          f"{out['rht_vs_copy_bound']:.2f}")
+    if torch.cuda.is_available():
+        out["cuda"] = _speed_cuda(codec, ref, x, norms, reps)
+    return out
+
+
+def _speed_cuda(codec, ref, x, norms, reps):
+    import torch
+    d = len(x)
+    gbytes = 4 * d / 1e9
+    xc = torch.from_numpy(x).cuda()
+    norms_c = torch.from_numpy(norms).cuda()
+    sums_c = codec.lookup(codec.quantize(codec.rotate(xc), norms, worker=0, round=0,
+                                         tensor=0)).to(torch.int32)
+    sync = torch.cuda.synchronize
+    cases = {
+        "compress": (lambda: codec.quantize(codec.rotate(xc), codec.partition_norms(xc),
+                                            worker=0, round=0, tensor=0),
+                     lambda: ref.quantize(ref.rotate(xc), ref.partition_norms(xc))),
+        "decompress": (lambda: codec.decode(sums_c, 1, norms, d),
+                       lambda: ref.decode(sums_c, 1, norms_c, d)),
+    }
+    copy_s = _median_time(lambda: xc.clone(), reps, sync)
+    rows = []
+    for name, (numba_fn, torch_fn) in cases.items():
+        tn, tt = _median_time(numba_fn, reps, sync), _median_time(torch_fn, reps, sync)
+        rows.append([name, gbytes / tn, gbytes / tt, tt / tn])
+    print_table("CUDA (GB/s of float32 input)", ["stage", "Numba CUDA", "torch CUDA",
+                                                 "Numba/torch"], rows)
+    print(f"device copy: {gbytes / copy_s:.1f} GB/s")
+    return {"copy_gbs": gbytes / copy_s,
+            "stages": [dict(zip(["stage", "numba_gbs", "torch_gbs", "speedup"], r))
+                       for r in rows]}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m thc.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    p_nmse = sub.add_parser("nmse", help="accuracy against the digest's values")
+    p_nmse.add_argument("--json", type=Path)
+    p_nmse.add_argument("--plot", type=Path, default=Path("build/bench/thc_nmse.png"))
+    p_nmse.add_argument("--log2d", type=int, default=16)
+    p_nmse.add_argument("--reps", type=int, default=3)
+    p_speed = sub.add_parser("speed", help="compress/decompress throughput")
+    p_speed.add_argument("--json", type=Path)
+    p_speed.add_argument("--log2d", type=int, default=24)
+    p_speed.add_argument("--reps", type=int, default=5)
+    p_speed.add_argument("--threads", type=int, default=None,
+                         help="threads for Numba and torch (default: their own defaults); "
+                              "1 is the fair choice on an oversubscribed machine")
+    args = parser.parse_args(argv)
+    if args.what == "nmse":
+        result = run_nmse(args.log2d, args.reps, args.plot)
+        result["machine"] = machine()
+    else:
+        if args.threads:
+            import numba
+            import torch
+            numba.set_num_threads(args.threads)
+            torch.set_num_threads(args.threads)
+        result = run_speed(args.log2d, args.reps)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"JSON written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

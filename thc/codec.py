@@ -1,0 +1,347 @@
+"""THCCodec: the worker-side THC codec (RHT, quantization, lookup, decode) behind one API.
+
+The wrapper owns shapes, dtypes and per-partition constants; the arithmetic lives in three
+interchangeable backends with identical semantics:
+  "numpy" : thc.reference (plain numpy, the specification)
+  "cpu"   : thc.cpu_kernels (Numba @njit(parallel=True))
+  "cuda"  : thc.cuda_kernels (Numba CUDA), picked automatically for CUDA inputs
+backend="auto" (the default) uses "cuda" for torch CUDA tensors / CUDA arrays and "cpu"
+otherwise. torch in -> torch out (same device), numpy in -> numpy out; CPU torch tensors
+are viewed as numpy without copying.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference, rng
+from .errors import NonFiniteError, check_lanes
+from .layout import DEFAULT_PARTITION_SIZE, Layout, check_partition_size
+from .tables import check_table, lower_index_table, optimal_table, truncation_threshold
+
+BACKENDS = ("auto", "numpy", "cpu", "cuda")
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _is_cuda(x) -> bool:
+    if _is_torch(x):
+        return x.is_cuda
+    return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
+
+
+def _host_numpy(x, dtype=None) -> np.ndarray:
+    """A small array (norms, counts) as host numpy, whatever it came as."""
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    elif _is_cuda(x):
+        x = x.copy_to_host()
+    a = np.asarray(x)
+    return a.astype(dtype, copy=False) if dtype is not None else a
+
+
+class THCCodec:
+    """THC with a b-bit lookup table on a g-step grid, clamped at t_p standard deviations.
+
+    partition_size: floats per RHT partition (a power of two; default 2^20 = 4 MiB, the
+    BytePS partition). A tensor shorter than a partition, and the tail of a longer one, is
+    padded only to its own next power of two (at least 2).
+    rotate=False skips the RHT (identity rotation); quantization is unchanged.
+    """
+
+    def __init__(self, bits: int = 4, granularity: int = 30, p: float = 1 / 32,
+                 symmetric: bool = True, seed: int = 0,
+                 partition_size: int = DEFAULT_PARTITION_SIZE, rotate: bool = True,
+                 table=None, backend: str = "auto"):
+        if bits != 4:
+            raise ValueError(f"this codec packs 4-bit indices; bits={bits} is not supported "
+                             "(use thc.baselines.THCCompressor for other widths)")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed}")
+        self.bits = bits
+        self.granularity = int(granularity)
+        self.p = float(p)
+        self.symmetric = symmetric
+        self.seed = int(seed)
+        self.partition_size = check_partition_size(partition_size)
+        self.rotation = bool(rotate)
+        self.backend = backend
+        self.table = (check_table(table) if table is not None
+                      else optimal_table(bits, granularity, p, symmetric=symmetric))
+        if len(self.table) != 1 << bits or self.table[-1] != self.granularity:
+            raise ValueError(f"table {self.table.tolist()} does not fit bits={bits}, "
+                             f"granularity={granularity}")
+        self.t_p = truncation_threshold(p)
+        self.lower = lower_index_table(self.table)
+        self.table_u8 = self.table.astype(np.uint8)
+        self.table_f32 = self.table.astype(np.float32)
+        self.inv_width = (1.0 / np.diff(self.table).astype(np.float64)).astype(np.float32)
+        self.sign_key = rng.rademacher_key(self.seed)
+
+    # ---- shapes ---------------------------------------------------------------------------
+    def layout(self, d: int) -> Layout:
+        if d < 0:
+            raise ValueError(f"tensor length must be >= 0, got {d}")
+        return Layout(int(d), self.partition_size)
+
+    def padded_length(self, d: int) -> int:
+        return self.layout(d).padded
+
+    def num_partitions(self, d: int) -> int:
+        return self.layout(d).num_partitions
+
+    def _padded_layout(self, padded: int, what: str) -> Layout:
+        layout = Layout.from_padded(padded, self.partition_size)
+        if layout.padded != padded:
+            raise ValueError(f"{what}: length {padded} is not a padded length for partition "
+                             f"size {self.partition_size} (use codec.padded_length(d))")
+        return layout
+
+    def check_workers(self, workers: int) -> None:
+        """Raise LaneOverflowError if `workers` sums could overflow the 8-bit lanes."""
+        check_lanes(workers, self.granularity)
+
+    # ---- backend choice -------------------------------------------------------------------
+    def _kernels(self, x):
+        choice = self.backend
+        if choice == "auto":
+            choice = "cuda" if _is_cuda(x) else "cpu"
+        if choice == "cuda":
+            from . import cuda_kernels
+            return cuda_kernels
+        if _is_cuda(x):
+            raise ValueError(f"backend {choice!r} cannot take a CUDA tensor; use backend='auto'")
+        if choice == "cpu":
+            from . import cpu_kernels
+            return cpu_kernels
+        return _NumpyKernels
+
+    def _partition_constants(self, max_norms, layout: Layout, what: str):
+        """Per-partition M = t_p * l / sqrt(n), grid scale g / 2M and decode step 2M / g."""
+        norms = _host_numpy(max_norms, np.float64).reshape(-1)
+        if len(norms) != layout.num_partitions:
+            raise ValueError(f"{what}: {len(norms)} max norms for {layout.num_partitions} "
+                             f"partitions (one per partition, see codec.partition_norms)")
+        if not np.isfinite(norms).all():
+            raise NonFiniteError(f"{what}: max norms hold NaN or Inf: {norms.tolist()[:8]}")
+        if (norms < 0).any():
+            raise ValueError(f"{what}: max norms must be >= 0, got {norms.tolist()[:8]}")
+        sizes = layout.sizes().astype(np.float64)
+        half = (self.t_p * norms / np.sqrt(sizes)).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            scale = np.where(half > 0, self.granularity / (2.0 * half.astype(np.float64)), 0.0)
+        step = (2.0 * half.astype(np.float64) / self.granularity)
+        return half, scale.astype(np.float32), step.astype(np.float32)
+
+    # ---- the API --------------------------------------------------------------------------
+    def partition_norms(self, x, name: str = "tensor"):
+        """One L2 norm per partition (float32, host numpy); NonFiniteError on NaN/Inf."""
+        kernels = self._kernels(x)
+        flat = kernels.as_flat(x, name)
+        layout = self.layout(kernels.length(flat))
+        norms = kernels.partition_norms(flat, layout)
+        if not np.isfinite(norms).all():
+            bad = [k for k, v in enumerate(norms) if not np.isfinite(v)]
+            raise NonFiniteError(f"{name}: NaN or Inf in partition(s) {bad[:8]} "
+                                 f"(elements {bad[0] * self.partition_size}..)")
+        return norms
+
+    def rotate(self, x, name: str = "tensor"):
+        """RHT of each zero-padded partition: length padded_length(d), same kind as x."""
+        kernels = self._kernels(x)
+        flat = kernels.as_flat(x, name)
+        layout = self.layout(kernels.length(flat))
+        if not self.rotation:
+            return kernels.wrap_like(x, kernels.pad(flat, layout))
+        return kernels.wrap_like(x, kernels.rotate(flat, layout, self.sign_key))
+
+    def inverse_rotate(self, y, d: int):
+        """Inverse RHT of a padded rotated-domain vector, un-padded to length d."""
+        kernels = self._kernels(y)
+        flat = kernels.as_flat(y, "rotated")
+        layout = self.layout(d)
+        if kernels.length(flat) != layout.padded:
+            raise ValueError(f"rotated vector has length {kernels.length(flat)}, expected "
+                             f"padded_length({d}) = {layout.padded}")
+        if not self.rotation:
+            return kernels.wrap_like(y, kernels.unpad(flat, layout))
+        return kernels.wrap_like(y, kernels.inverse_rotate(flat, layout, self.sign_key))
+
+    def quantize(self, rotated, max_norms, *, worker: int, round: int, tensor: int,
+                 name: str = "rotated"):
+        """Packed uint8 [padded/2] of 4-bit table indices (even element in the high nibble)."""
+        kernels = self._kernels(rotated)
+        flat = kernels.as_flat(rotated, name)
+        layout = self._padded_layout(kernels.length(flat), name)
+        half, scale, _ = self._partition_constants(max_norms, layout, name)
+        key = rng.rounding_key(self.seed, round, tensor, worker)
+        packed, nonfinite = kernels.quantize(flat, half, scale, self, layout, key)
+        if nonfinite:
+            raise NonFiniteError(f"{name}: {nonfinite} of {layout.padded} values are NaN or Inf")
+        return kernels.wrap_like(rotated, packed)
+
+    def lookup(self, packed):
+        """uint8 table value per element (what an aggregator adds), length 2 * len(packed)."""
+        kernels = self._kernels(packed)
+        flat = kernels.as_flat(packed, "packed", dtype="uint8")
+        return kernels.wrap_like(packed, kernels.lookup(flat, self.table_u8))
+
+    def dequantize(self, packed, max_norms):
+        """Rotated-domain float32 values of one worker's packed indices (count 1)."""
+        return self._decode_rotated(self.lookup(packed), 1, max_norms, "packed")
+
+    def _decode_rotated(self, sums, counts, max_norms, what):
+        kernels = self._kernels(sums)
+        flat = kernels.as_flat(sums, what, dtype=None)
+        layout = self._padded_layout(kernels.length(flat), what)
+        half, _, step = self._partition_constants(max_norms, layout, what)
+        counts = kernels.as_counts(counts, layout.padded)
+        return kernels.wrap_like(sums, kernels.decode_rotated(flat, counts, half, step, layout))
+
+    def decode(self, sums, counts, max_norms, d: int):
+        """Mean estimate of length d from integer sums of table values and contributor
+        counts (int, or one per element; count 0 decodes to 0): m + (Y/count)(M-m)/g per
+        partition, then inverse RHT and un-pad."""
+        rotated = self._decode_rotated(sums, counts, max_norms, "sums")
+        layout = self.layout(d)
+        kernels = self._kernels(rotated)
+        flat = kernels.as_flat(rotated, "rotated")
+        if kernels.length(flat) != layout.padded:
+            raise ValueError(f"sums have length {kernels.length(flat)}, expected "
+                             f"padded_length({d}) = {layout.padded}")
+        if not self.rotation:
+            return kernels.wrap_like(rotated, kernels.unpad(flat, layout))
+        # the decoded buffer is ours: transform it in place
+        return kernels.wrap_like(rotated, kernels.inverse_rotate(flat, layout, self.sign_key,
+                                                                 overwrite=True))
+
+    # ---- conveniences built on the API (simulation, demo, benchmarks) ---------------------
+    def compress(self, x, max_norms, *, worker: int, round: int, tensor: int):
+        return self.quantize(self.rotate(x), max_norms, worker=worker, round=round,
+                             tensor=tensor)
+
+    def simulate_allreduce(self, grads, *, round: int = 0, tensor: int = 0):
+        """All n workers' steps with an integer-sum aggregator in between; returns the
+        decoded mean (same kind as the inputs). Refuses n*g beyond the 8-bit lanes."""
+        n = len(grads)
+        self.check_workers(n)
+        d = len(grads[0])
+        norms = np.max([self.partition_norms(gr, name=f"worker {w} gradient")
+                        for w, gr in enumerate(grads)], axis=0)
+        total = None
+        for w, gr in enumerate(grads):
+            values = self.lookup(self.compress(gr, norms, worker=w, round=round, tensor=tensor))
+            values = (values.to(dtype=_torch().int32) if _is_torch(values)
+                      else values.astype(np.int32))
+            total = values if total is None else total + values
+        return self.decode(total, n, norms, d)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class _NumpyKernels:
+    """The numpy reference behind the kernel interface the wrapper calls."""
+
+    @staticmethod
+    def as_flat(x, name, dtype="float32"):
+        if _is_torch(x):
+            x = x.detach()
+            a = x.reshape(-1).numpy()
+        else:
+            a = np.asarray(x).reshape(-1)
+        if dtype is not None and a.dtype != np.dtype(dtype):
+            a = a.astype(dtype)
+        return a
+
+    @staticmethod
+    def length(a):
+        return a.shape[0]
+
+    @staticmethod
+    def wrap_like(x, out):
+        if _is_torch(x):
+            return _torch().from_numpy(np.ascontiguousarray(out))
+        return out
+
+    @staticmethod
+    def as_counts(counts, padded):
+        c = np.asarray(_host_numpy(counts))
+        if c.ndim == 0:
+            return c.astype(np.float32)
+        if c.shape != (padded,):
+            raise ValueError(f"counts: per-element counts need length {padded}, got {c.shape}")
+        return c.astype(np.float32)
+
+    @staticmethod
+    def partition_norms(a, layout):
+        return reference.partition_norms(a, layout)
+
+    @staticmethod
+    def pad(a, layout):
+        out = np.zeros(layout.padded, dtype=np.float32)
+        out[:layout.d] = a
+        return out
+
+    @staticmethod
+    def unpad(a, layout):
+        return np.ascontiguousarray(a[:layout.d])
+
+    @staticmethod
+    def rotate(a, layout, sign_key):
+        return reference.rotate(a, layout, sign_key)
+
+    @staticmethod
+    def inverse_rotate(a, layout, sign_key, overwrite=False):
+        return reference.inverse_rotate(a, layout, sign_key)
+
+    @staticmethod
+    def quantize(a, half, scale, codec, layout, key):
+        nonfinite = int((~np.isfinite(a)).sum())
+        if nonfinite:
+            return None, nonfinite
+        return reference.quantize(a, half, scale, codec.table, codec.lower, codec.inv_width,
+                                  layout, key), 0
+
+    @staticmethod
+    def lookup(packed, table_u8):
+        return reference.lookup(packed, table_u8)
+
+    @staticmethod
+    def decode_rotated(sums, counts, half, step, layout):
+        return reference.decode_rotated(sums, counts, half, step, layout)
+
+
+class ErrorFeedback:
+    """Per-tensor error-feedback state: e = x - own decoded, added to the next gradient."""
+
+    def __init__(self):
+        self._errors = {}
+
+    def compensate(self, key, grad):
+        """grad + e for this tensor (grad itself on the first round)."""
+        e = self._errors.get(key)
+        if e is None:
+            return grad
+        if tuple(e.shape) != tuple(grad.shape):
+            raise ValueError(f"error feedback for {key!r}: stored shape {tuple(e.shape)} "
+                             f"!= gradient shape {tuple(grad.shape)}")
+        return grad + e
+
+    def update(self, key, x, own_decoded):
+        """Store x - own_decoded (x: the compensated gradient that was compressed)."""
+        self._errors[key] = x - own_decoded
+
+    def error(self, key):
+        return self._errors.get(key)
+
+    def reset(self, key=None):
+        if key is None:
+            self._errors.clear()
+        else:
+            self._errors.pop(key, None)
