@@ -12,8 +12,8 @@ TORCH_PIN   := torch==2.13.0
 DEB_PKGS    := libdpdk-dev dpdk pkg-config libpcap-dev build-essential mininet \
                iproute2 tcpdump ethtool clang libclang-rt-14-dev
 PYTEST_ARGS ?=
-# The main job: the codec demo until the distributed training job lands.
-MAIN_JOB    ?= thc.demo
+# The main job: THC in-network training (N workers + the reference aggregator) vs fp32.
+MAIN_JOB    ?= host.main_job
 
 .PHONY: setup sysdeps venv build run demo test bench clean p4 testbed
 

@@ -1,0 +1,246 @@
+"""Allreduce time vs tensor size on emulated links (root: network namespaces).
+
+    sudo python -m host.bench_allreduce                      # 4 workers, 1 and 10 Gbit/s
+    python -m host.bench_allreduce --sizes-mb 1,4,16 --json out/bench_allreduce.json
+
+Each worker lives in its own network namespace, linked to a bridge by a veth pair shaped to
+the link rate in both directions (host.netem.NetnsTestbed). Side by side in one run:
+  thc-agg    THC through the reference aggregator, which sits on the bridge (in the switch
+             namespace), so its traffic crosses only the workers' links: in-network
+             aggregation, 4 bits up and 8 bits down per value;
+  thc-gloo   THC over gloo all_reduce(SUM) on uint8 lanes (no switch);
+  fp32-gloo  plain fp32 gloo all_reduce.
+The DPDK switch has no live (non-pcap) mode here, so it has no column.
+`bound` is the bytes-on-the-wire limit of one worker link, the busier direction:
+thc-agg max(up, down) frame bytes; ring allreduces 2(n-1)/n of the buffer each way.
+Times are medians over --reps of the slowest worker (all_reduce MAX of the per-worker times).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("thc-agg", "thc-gloo", "fp32-gloo")
+WORKER_UDP_PORT = 40000
+AGG_PORT = 50000
+GLOO_PORT = 29600
+VALUES_PER_PACKET = 1024
+FRAME_OVERHEAD = 14 + 20 + 8 + 32      # Ethernet + IPv4 + UDP + AGG header per packet
+
+
+def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: float) -> float:
+    """Time one worker link needs for the bytes it must carry (the busier direction)."""
+    import thc
+    d = size_bytes // 4
+    if mode == "thc-agg":
+        padded = thc.THCCodec().padded_length(d)
+        packets = -(-padded // VALUES_PER_PACKET)
+        up = padded / 2 + packets * FRAME_OVERHEAD
+        down = padded + packets * FRAME_OVERHEAD
+        busiest = max(up, down)
+    elif mode == "thc-gloo":
+        busiest = 2 * (workers - 1) / workers * thc.THCCodec().padded_length(d)
+    else:
+        busiest = 2 * (workers - 1) / workers * 4 * d
+    return busiest * 8 / (rate_mbit * 1e6)
+
+
+# --------------------------------------------------------------------------- worker side
+
+def worker(args) -> None:
+    import datetime
+
+    import numba
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from host.ddp_hook import thc_hook_state
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
+                            world_size=args.world, timeout=datetime.timedelta(seconds=120))
+    state = None
+    if args.mode == "thc-agg":
+        state = thc_hook_state(aggregator=args.aggregator, job=1, pool_size=args.pool_size,
+                               worker_address=(args.ip, WORKER_UDP_PORT), timeout=60)
+    elif args.mode == "thc-gloo":
+        state = thc_hook_state()
+    results = {}
+    for key, mb in enumerate(args.sizes_mb):
+        d = int(mb * (1 << 20)) // 4
+        x = torch.from_numpy(np.random.default_rng(args.rank).standard_normal(d)
+                             .astype(np.float32))
+        times = []
+        for rep in range(args.reps + 1):                 # the first is a warm-up
+            dist.barrier()
+            t0 = time.perf_counter()
+            if state is None:
+                y = x.clone()
+                dist.all_reduce(y)
+                y /= args.world
+            else:
+                state.reduce(x, key)
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if rep:
+                times.append(float(elapsed))
+        results[str(mb)] = times
+    if args.rank == 0:
+        Path(args.out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the parent
+
+def _job_config(ips, pool_size):
+    from dataplane.config import Job, Member, SwitchConfig
+    members = [Member(worker=w, port=w, mac=f"02:00:00:00:02:{w + 1:02x}", ip=ip,
+                      udp_port=WORKER_UDP_PORT) for w, ip in enumerate(ips)]
+    return SwitchConfig(ip="127.0.0.1", jobs=(Job.from_thc(1, pool_size, members),)).validate()
+
+
+def _run_mode(tb, mode, args, tmp: Path) -> dict:
+    n = args.workers
+    out = tmp / f"{mode}.json"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = []
+    for w in range(n):
+        argv = [sys.executable, "-m", "host.bench_allreduce", "--worker", "--rank", str(w),
+                "--world", str(n), "--master", f"{tb.host_ip(0)}:{GLOO_PORT}", "--mode", mode,
+                "--ip", tb.host_ip(w), "--aggregator", f"{tb.switch_ip}:{AGG_PORT}",
+                "--sizes-mb", ",".join(str(s) for s in args.sizes_mb), "--reps", str(args.reps),
+                "--pool-size", str(args.pool_size), "--out", str(out)]
+        procs.append(tb.popen(w, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=args.timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"{mode}: workers did not finish in {args.timeout} s")
+    if any(p.returncode for p in procs) or not out.exists():
+        bad = [w for w, p in enumerate(procs) if p.returncode]
+        raise SystemExit(f"{mode}: workers {bad} failed:\n" + "\n".join(
+            logs[w][-2000:] for w in bad))
+    return json.loads(out.read_text())
+
+
+def run_benchmark(args) -> list[dict]:
+    import numpy as np
+    from tqdm import tqdm
+
+    from host.netem import NetnsTestbed
+    rows = []
+    bar = tqdm(total=len(args.rates_mbit) * len(args.modes), desc="bench_allreduce")
+    for rate in args.rates_mbit:
+        with NetnsTestbed(args.workers, rate) as tb, tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            agg = None
+            if "thc-agg" in args.modes:
+                cfg = _job_config([tb.host_ip(w) for w in range(args.workers)], args.pool_size)
+                cfg.save(tmp / "switch.json")
+                agg = tb.popen_switch([sys.executable, "-m", "dataplane.udp_service",
+                                       "--config", str(tmp / "switch.json"),
+                                       "--host", tb.switch_ip, "--port", str(AGG_PORT)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=dict(os.environ, PYTHONPATH=str(
+                                          Path(__file__).resolve().parents[1])))
+                agg.stdout.readline()                 # "serving ..." once it is bound
+            try:
+                for mode in args.modes:
+                    times = _run_mode(tb, mode, args, tmp)
+                    for mb in args.sizes_mb:
+                        t = float(np.median(times[str(mb)]))
+                        bound = wire_bound_seconds(mode, int(mb * (1 << 20)), args.workers, rate)
+                        rows.append({"rate_mbit": rate, "mode": mode, "size_mb": mb,
+                                     "median_s": t, "bound_s": bound, "qdisc": tb.qdisc,
+                                     "reps": args.reps, "workers": args.workers})
+                    bar.update(1)
+            finally:
+                if agg:
+                    agg.terminate()
+                    agg.wait(10)
+    bar.close()
+    return rows
+
+
+def print_table(rows) -> None:
+    print(f"\n{'link':>9} {'size MB':>8} " + " ".join(f"{m + ' ms':>13}" for m in MODES)
+          + "   " + " ".join(f"{m + ' bound':>16}" for m in MODES))
+    keys = sorted({(r["rate_mbit"], r["size_mb"]) for r in rows})
+    for rate, mb in keys:
+        cells = {r["mode"]: r for r in rows if r["rate_mbit"] == rate and r["size_mb"] == mb}
+        times = " ".join(f"{cells[m]['median_s'] * 1e3:>13.1f}" if m in cells else f"{'-':>13}"
+                         for m in MODES)
+        bounds = " ".join(f"{cells[m]['bound_s'] * 1e3:>16.1f}" if m in cells else f"{'-':>16}"
+                          for m in MODES)
+        print(f"{rate / 1000:>7g}G {mb:>8g} {times}   {bounds}")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m host.bench_allreduce",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mb", default="1,4,16",
+                    help="tensor sizes in MiB (the full study goes to 256; default keeps the "
+                         "shared 2-core machine usable)")
+    ap.add_argument("--rates-mbit", default="1000,10000", help="link rates in Mbit/s")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--pool-size", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mode and rate")
+    ap.add_argument("--json", help="write the rows to this file")
+    # worker-side (internal)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--ip", help=argparse.SUPPRESS)
+    ap.add_argument("--aggregator", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.sizes_mb = [float(s) if "." in s else int(s) for s in str(args.sizes_mb).split(",")]
+    args.rates_mbit = [float(r) for r in str(args.rates_mbit).split(",")] \
+        if isinstance(args.rates_mbit, str) else args.rates_mbit
+    args.modes = [m for m in str(args.modes).split(",") if m]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown modes {bad}; choose from {MODES}")
+    if not args.worker and args.workers * 30 > 255 and "thc-agg" in args.modes:
+        ap.error("thc-agg: at most 8 workers fit the 8-bit switch lanes")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    from host.netem import netns_available
+    reason = netns_available()
+    if reason:
+        print(f"bench_allreduce: {reason}", file=sys.stderr)
+        return 2
+    rows = run_benchmark(args)
+    print_table(rows)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"rows": rows, "machine": os.uname().release,
+                                               "cores": os.cpu_count()}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

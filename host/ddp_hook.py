@@ -1,0 +1,135 @@
+"""PyTorch integration: a DDP communication hook and a plain function for custom loops.
+
+    state = thc_hook_state(aggregator="127.0.0.1:50000", job=1, pool_size=256)  # in-network
+    state = thc_hook_state()                      # THC over dist.all_reduce(SUM), no switch
+    model.register_comm_hook(state, thc_hook)
+
+The hook averages each DDP gradient bucket with THCAllreduce and returns a completed
+torch.futures.Future (the exchange is synchronous: one UDP socket, buckets in DDP's order,
+which is the same on every worker). Launch with torchrun or torch.multiprocessing; the rank
+is the worker id on the aggregator, the world size the job's member count.
+
+For custom loops: `allreduce_gradients(model.parameters(), state)` averages every .grad in
+place (flattened into one tensor, one exchange).
+"""
+# No "from __future__ import annotations": DDP checks the hook's annotations as objects.
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+import thc
+from host.allreduce import AggregatorExchange, SumAllreduceExchange, THCAllreduce
+from host.transport import AggregatorTransport, default_policy, parse_address
+
+DEFAULT_POOL_SIZE = 256
+
+
+class THCHookState:
+    """What the hook needs between calls: the allreducer and per-bucket sizes."""
+
+    def __init__(self, allreduce: THCAllreduce):
+        self.allreduce = allreduce
+        self.bucket_sizes: dict[int, int] = {}
+        self.steps = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Gradient bytes this worker sent (AGG headers + payloads, or lane bytes)."""
+        return self.allreduce.exchange.bytes_sent + self.allreduce.control_bytes
+
+    def reduce(self, tensor: torch.Tensor, key: int) -> torch.Tensor:
+        size = tensor.numel()
+        if self.bucket_sizes.get(key, size) != size and self.allreduce.error_feedback:
+            # DDP rebuilds its buckets after the first step: the old error no longer fits.
+            self.allreduce.error_feedback.reset(key)
+        self.bucket_sizes[key] = size
+        return self.allreduce(tensor, key)
+
+
+def thc_hook(state: THCHookState,
+             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: the THC mean of the bucket's flattened gradients."""
+    mean = state.reduce(bucket.buffer(), bucket.index())
+    if bucket.is_last():
+        state.steps += 1
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(mean)
+    return fut
+
+
+def allreduce_gradients(parameters, state: THCHookState, key: int = 0) -> None:
+    """Average the .grad of `parameters` over all workers in place (one THC exchange)."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        raise ValueError("no parameter has a gradient: call backward() first")
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    mean = state.reduce(flat, key)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
+        offset += n
+    state.steps += 1
+
+
+def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_POOL_SIZE,
+                   worker_address=None, codec: thc.THCCodec | None = None, group=None,
+                   timeout: float = 30.0, policy=default_policy, error_feedback: bool = True,
+                   values_per_packet: int = 1024, seed: int = 0,
+                   start_timeout: float = 60.0) -> THCHookState:
+    """Build the hook state on this worker (call after dist.init_process_group).
+
+    aggregator: None for THC over dist.all_reduce(SUM) (gloo/NCCL, no switch), or the
+    aggregator's "HOST:PORT" / (host, port) for the in-network path. worker_address:
+    (ip, port) this worker binds, as installed in the aggregator's membership table
+    (default: THC_WORKER_IP / THC_WORKER_PORT_BASE + rank from the environment, as under
+    torchrun; else any port). codec: a thc.THCCodec identical on every worker
+    (default: b=4, g=30, p=1/32, this seed). start_timeout: seconds the first call waits
+    for every worker (the error names the missing rank); timeout: seconds without progress
+    in an exchange before AggregatorTimeout.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
+    codec = codec or thc.THCCodec(seed=seed)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if aggregator is None:
+        exchange = SumAllreduceExchange(codec, group)
+    else:
+        codec.check_workers(world)          # 8-bit lanes on the switch: refuse n*g > 255
+        if world > 32:
+            raise ValueError(f"{world} workers: an aggregator job has at most 32 members")
+        host, port = parse_address(aggregator)
+        local = worker_address or _worker_address_from_env(rank) or \
+            ("127.0.0.1" if host.startswith("127.") else "0.0.0.0", 0)
+        transport = AggregatorTransport((host, port), job=job, worker=rank,
+                                        expected=(1 << world) - 1, pool_size=pool_size,
+                                        values_per_packet=values_per_packet, timeout=timeout,
+                                        local=local, policy=policy)
+        exchange = AggregatorExchange(transport, codec)
+    return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
+                                     start_timeout=start_timeout))
+
+
+def _worker_address_from_env(rank: int):
+    """(THC_WORKER_IP or 0.0.0.0, THC_WORKER_PORT_BASE + rank) under torchrun, else None."""
+    base = os.environ.get("THC_WORKER_PORT_BASE")
+    if not base:
+        return None
+    if not base.isdigit() or not 0 < int(base) + rank < 65536:
+        raise ValueError(f"THC_WORKER_PORT_BASE={base!r}: need a port number such that "
+                         f"base + rank ({rank}) is in 1..65535")
+    return os.environ.get("THC_WORKER_IP", "0.0.0.0"), int(base) + rank
+
+
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    """A UDP port nobody uses right now (for tests and the main job's member table)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["THCHookState", "thc_hook", "thc_hook_state", "allreduce_gradients",
+           "free_udp_port"]

@@ -1,0 +1,357 @@
+"""The main job: data-parallel training with THC in-network aggregation, next to plain fp32.
+
+    python -m host.main_job                       # 4 workers, reference aggregator, THC vs fp32
+    python -m host.main_job --workers 2 --steps 100 --compressor thc-allreduce
+
+N worker processes (torch.multiprocessing, gloo process group) train the same MLP on
+scikit-learn's digits (bundled with the package, no download), each on its own shard. Each
+run uses a DDP model; the THC run attaches the THC comm hook (host.ddp_hook), the baseline
+run DDP's own fp32 allreduce. With --aggregator reference the embedded reference aggregator
+(dataplane.udp_service) serves the job on loopback; HOST:PORT uses an aggregator that is
+already running with this job's description:
+
+    python -m host.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000 --write-job-config
+    python -m dataplane.udp_service --config out/main_job_switch.json &
+    python -m host.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000
+
+Printed: final test accuracy, bytes sent per worker per step, time per step of both runs.
+Saved: out/main_job.png (loss and accuracy vs step), out/main_job.json (all numbers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+COMPRESSORS = ("thc", "thc-allreduce", "none")
+IP_UDP_OVERHEAD = 28           # IPv4 + UDP header bytes per datagram on the wire
+PARTITION_SIZE = 1 << 14       # RHT partition: the model's ~86k floats pad to 86016, not 2^17
+
+
+# --------------------------------------------------------------------------- data, model
+
+def load_digits_split(seed: int = 0):
+    """Standardized digits (1797 x 64, 10 classes): 80 % train, 20 % test."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(x))
+    x, y = x[order].astype(np.float32), y[order].astype(np.int64)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+    cut = int(0.8 * len(x))
+    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+def make_model(hidden: int):
+    import torch.nn as nn
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 10))
+
+
+# --------------------------------------------------------------------------- one worker
+
+def _train_run(rank, world, cfg, compressor, hook_state, progress):
+    """Train from the same initial weights; return per-step metrics (rank 0 evaluates)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from host.ddp_hook import thc_hook
+
+    torch.manual_seed(cfg["seed"])
+    model = DDP(make_model(cfg["hidden"]))
+    if compressor != "none":
+        model.register_comm_hook(hook_state, thc_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    (xtr, ytr), (xte, yte) = load_digits_split(cfg["seed"])
+    xs, ys = torch.from_numpy(xtr[rank::world]), torch.from_numpy(ytr[rank::world])
+    xtr_t, ytr_t = torch.from_numpy(xtr), torch.from_numpy(ytr)
+    xte_t, yte_t = torch.from_numpy(xte), torch.from_numpy(yte)
+    rng = np.random.default_rng(cfg["seed"] + rank)
+    batch, steps = cfg["batch"], cfg["steps"]
+    log = {"step": [], "train_loss": [], "test_acc": []}
+    step_times = []
+    bytes0 = hook_state.bytes_sent if hook_state else 0
+    packets0 = hook_state.allreduce.exchange.transport.stats.packets_sent \
+        if hook_state and compressor == "thc" else 0
+    order, pos = rng.permutation(len(xs)), 0
+    bar = progress(total=steps, desc=f"{compressor:>13}", disable=rank != 0, mininterval=0.5)
+    for step in range(1, steps + 1):
+        if pos + batch > len(order):
+            order, pos = rng.permutation(len(xs)), 0
+        idx = torch.from_numpy(order[pos:pos + batch])
+        pos += batch
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(xs[idx]), ys[idx])
+        loss.backward()                      # the comm hook runs here
+        opt.step()
+        step_times.append(time.perf_counter() - t0)
+        if rank == 0 and (step % cfg["eval_every"] == 0 or step == steps):
+            with torch.no_grad():
+                log["step"].append(step)
+                log["train_loss"].append(float(F.cross_entropy(model.module(xtr_t), ytr_t)))
+                log["test_acc"].append(float((model.module(xte_t).argmax(1) == yte_t)
+                                             .float().mean()))
+            bar.set_postfix(loss=f"{log['train_loss'][-1]:.3f}", acc=f"{log['test_acc'][-1]:.3f}")
+        bar.update(1)
+    bar.close()
+    n_params = sum(p.numel() for p in model.parameters())
+    if compressor == "none":
+        # DDP's fp32 ring allreduce: 2(n-1)/n of the gradient bytes leave each worker.
+        sent = 2 * (world - 1) / world * 4 * n_params * steps
+    else:
+        sent = hook_state.bytes_sent - bytes0
+        if compressor == "thc":
+            packets = hook_state.allreduce.exchange.transport.stats.packets_sent - packets0
+            sent += IP_UDP_OVERHEAD * packets
+    return {"log": log, "bytes_per_step": sent / steps,
+            "time_per_step": float(np.median(step_times)), "params": n_params}
+
+
+def worker_main(rank, world, cfg, results):
+    import datetime
+
+    import numba
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    import thc
+    from host.ddp_hook import thc_hook_state
+
+    torch.set_num_threads(1)                 # N workers share this machine's cores
+    numba.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=cfg["init_method"], rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        out = {}
+        for compressor in cfg["runs"]:
+            state = None
+            if compressor != "none":
+                codec = thc.THCCodec(seed=cfg["seed"], partition_size=PARTITION_SIZE)
+                aggregator = cfg["aggregator"] if compressor == "thc" else None
+                state = thc_hook_state(aggregator=aggregator, job=cfg["job"],
+                                       pool_size=cfg["pool_size"], codec=codec,
+                                       worker_address=tuple(cfg["members"][rank])
+                                       if aggregator else None, timeout=cfg["timeout"])
+            out[compressor] = _train_run(rank, world, cfg, compressor, state, tqdm)
+            if state:
+                out[compressor]["seconds"] = dict(state.allreduce.seconds)
+            if state and compressor == "thc":
+                out[compressor]["transport"] = \
+                    state.allreduce.exchange.transport.stats.as_dict()
+                state.allreduce.exchange.transport.close()
+            dist.barrier()
+        results.put((rank, out, None))
+        dist.destroy_process_group()
+    except Exception as exc:                 # reported by the parent with the worker's id
+        import traceback
+        results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+# --------------------------------------------------------------------------- the parent
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m host.main_job", description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=4, help="worker processes (1..8 with thc)")
+    ap.add_argument("--steps", type=int, default=150, help="training steps per run")
+    ap.add_argument("--compressor", choices=COMPRESSORS, default="thc",
+                    help="thc: THC through the aggregator; thc-allreduce: THC over gloo "
+                         "all_reduce(SUM); none: plain fp32 only")
+    ap.add_argument("--aggregator", default="reference",
+                    help="reference (embedded, loopback) | dpdk | HOST:PORT (running already)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the fp32 comparison run")
+    ap.add_argument("--hidden", type=int, default=256, help="MLP hidden width")
+    ap.add_argument("--batch", type=int, default=32, help="batch per worker")
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--pool-size", type=int, default=128, help="aggregator slots of the job")
+    ap.add_argument("--job", type=int, default=1)
+    ap.add_argument("--worker-port-base", type=int, default=0,
+                    help="UDP port of worker 0 (worker w uses base+w); 0 = free ports")
+    ap.add_argument("--write-job-config", action="store_true",
+                    help="with --aggregator HOST:PORT: write the job description the "
+                         "aggregator must load (OUT_DIR/main_job_switch.json) and exit")
+    ap.add_argument("--timeout", type=float, default=30.0,
+                    help="seconds without progress before a worker gives up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="out")
+    args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error("--workers must be at least 1")
+    if args.compressor == "thc" and args.workers * 30 > 255:
+        ap.error(f"--workers {args.workers}: THC's 8-bit switch lanes hold at most 8 workers "
+                 "(8 x granularity 30 = 240 <= 255); use --compressor thc-allreduce for more")
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
+    external = args.aggregator not in ("reference", "dpdk")
+    if external and args.compressor == "thc" and not args.worker_port_base:
+        ap.error(f"--aggregator {args.aggregator}: give --worker-port-base so the aggregator's "
+                 "member table can name each worker's UDP port (worker w uses base+w), write "
+                 "it with --write-job-config, and start the aggregator with that file")
+    if args.write_job_config and not external:
+        ap.error("--write-job-config goes with --aggregator HOST:PORT")
+    return args
+
+
+def _member_addresses(args, agg_host: str) -> list[tuple[str, int]]:
+    from host.ddp_hook import free_udp_port
+    ip = "127.0.0.1" if agg_host.startswith("127.") or agg_host == "localhost" else "0.0.0.0"
+    if args.worker_port_base:
+        return [(ip, args.worker_port_base + w) for w in range(args.workers)]
+    return [(ip, free_udp_port()) for _ in range(args.workers)]
+
+
+def _job_description(args, members):
+    from dataplane.config import Job, Member, SwitchConfig
+    mems = [Member(worker=w, port=w, mac=f"02:00:00:00:00:{w + 1:02x}",
+                   ip=ip if ip != "0.0.0.0" else "127.0.0.1", udp_port=port)
+            for w, (ip, port) in enumerate(members)]
+    job = Job.from_thc(args.job, args.pool_size, mems)
+    return SwitchConfig(mac="02:00:00:00:00:fe", ip="127.0.0.1", jobs=(job,)).validate()
+
+
+def start_aggregator(args):
+    """(address, member addresses, stop()) for the chosen aggregator."""
+    if args.aggregator == "reference":
+        from dataplane.udp_service import serve
+        members = _member_addresses(args, "127.0.0.1")
+        config = _job_description(args, members)
+        # Its own process: the aggregator loop does not share a GIL with anything.
+        service = serve(config, "127.0.0.1", 0, process=True)
+        return service.address, members, service.stop
+    if args.aggregator == "dpdk":
+        raise SystemExit("--aggregator dpdk: the DPDK switch runs here only on pcap files "
+                         "(dataplane/dpdk_runner.py), not as a live UDP aggregator; use "
+                         "--aggregator reference, or run it on real/virtual NICs and pass "
+                         "HOST:PORT")
+    from host.transport import parse_address
+    host, port = parse_address(args.aggregator)
+    members = _member_addresses(args, host)
+    path = Path(args.out_dir) / "main_job_switch.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _job_description(args, members).save(path)
+    if args.write_job_config:
+        print(f"wrote {path}: start the aggregator with it, e.g. python -m "
+              f"dataplane.udp_service --config {path} --host {host} --port {port}")
+        raise SystemExit(0)
+    print(f"using the aggregator at {host}:{port} (job description: {path})")
+    return (host, port), members, lambda: None
+
+
+def run_workers(args, aggregator, members):
+    import socket
+
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "sklearn.datasets", "thc"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_port = s.getsockname()[1]
+    runs = [args.compressor] if args.no_baseline or args.compressor == "none" \
+        else [args.compressor, "none"]
+    cfg = {"init_method": f"tcp://127.0.0.1:{init_port}", "runs": runs, "seed": args.seed,
+           "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "steps": args.steps,
+           "eval_every": args.eval_every, "job": args.job, "pool_size": args.pool_size,
+           "aggregator": f"{aggregator[0]}:{aggregator[1]}" if aggregator else None,
+           "members": members, "timeout": args.timeout}
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker_main, args=(r, args.workers, cfg, results))
+             for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    outs, errors = {}, []
+    deadline = time.monotonic() + 60 + args.steps * 5
+    while len(outs) + len(errors) < args.workers:
+        try:
+            rank, out, err = results.get(timeout=max(1.0, deadline - time.monotonic()))
+        except Exception:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outs]
+            errors.append(f"timed out waiting for workers; exited without a result: {dead}")
+            break
+        if err:
+            errors.append(f"worker {rank}: {err}")
+        else:
+            outs[rank] = out
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise SystemExit("main job failed:\n" + "\n".join(errors))
+    return runs, outs
+
+
+def report(args, runs, outs):
+    names = {"thc": "THC in-network", "thc-allreduce": "THC over gloo", "none": "fp32 allreduce"}
+    summary = {}
+    print(f"\n{args.workers} workers, {args.steps} steps, MLP with "
+          f"{outs[0][runs[0]]['params']} parameters")
+    print(f"{'run':<16}{'test acc':>10}{'train loss':>12}{'KB sent/step':>14}{'ms/step':>10}")
+    for run in runs:
+        r0 = outs[0][run]
+        per_step = sum(outs[w][run]["bytes_per_step"] for w in outs) / len(outs)
+        ms = 1e3 * sum(outs[w][run]["time_per_step"] for w in outs) / len(outs)
+        summary[run] = {"test_acc": r0["log"]["test_acc"][-1],
+                        "train_loss": r0["log"]["train_loss"][-1],
+                        "bytes_sent_per_worker_per_step": per_step, "ms_per_step": ms,
+                        "log": r0["log"], "transport": r0.get("transport"),
+                        "allreduce_seconds": r0.get("seconds")}
+        print(f"{names[run]:<16}{summary[run]['test_acc']:>10.3f}"
+              f"{summary[run]['train_loss']:>12.4f}{per_step / 1024:>14.1f}{ms:>10.2f}")
+    if len(runs) == 2:
+        ratio = summary[runs[1]]["bytes_sent_per_worker_per_step"] / \
+            summary[runs[0]]["bytes_sent_per_worker_per_step"]
+        print(f"bytes sent: fp32 / {runs[0]} = {ratio:.1f}x")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "main_job.json").write_text(json.dumps(
+        {"workers": args.workers, "steps": args.steps, "runs": summary}, indent=1))
+    plot(summary, names, out_dir / "main_job.png")
+    print(f"saved {out_dir / 'main_job.png'} and {out_dir / 'main_job.json'}")
+    return summary
+
+
+def plot(summary, names, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for run, s in summary.items():
+        ax_loss.plot(s["log"]["step"], s["log"]["train_loss"], label=names[run])
+        ax_acc.plot(s["log"]["step"], s["log"]["test_acc"], label=names[run])
+    ax_loss.set(xlabel="step", ylabel="training loss (full train set)", yscale="log")
+    ax_acc.set(xlabel="step", ylabel="test accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("digits MLP: THC vs fp32 allreduce")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    stop = lambda: None  # noqa: E731
+    aggregator, members = None, None
+    if args.compressor == "thc":
+        aggregator, members, stop = start_aggregator(args)
+    try:
+        t0 = time.monotonic()
+        runs, outs = run_workers(args, aggregator, members)
+        summary = report(args, runs, outs)
+        print(f"total {time.monotonic() - t0:.1f} s")
+    finally:
+        stop()
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

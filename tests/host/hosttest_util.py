@@ -1,0 +1,52 @@
+"""Shared set-up for the host tests (imported by name: tests/host is not a package, so
+its modules cannot shadow the real `host` package)."""
+import socket
+
+import numpy as np
+import pytest
+
+import thc
+from dataplane.config import Job, Member, SwitchConfig
+from dataplane.udp_service import serve
+
+TABLE = thc.optimal_table(4, 30, 1 / 32, symmetric=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_config(addresses, pool_size: int, job: int = 1) -> SwitchConfig:
+    """One job whose worker w sends from addresses[w] (ip, udp_port)."""
+    members = [Member(worker=w, port=w, mac=f"02:00:00:00:01:{w + 1:02x}", ip=ip, udp_port=port)
+               for w, (ip, port) in enumerate(addresses)]
+    return SwitchConfig(ip="127.0.0.1", jobs=(Job.from_thc(job, pool_size, members),)).validate()
+
+
+@pytest.fixture
+def aggregator():
+    """aggregator(n_workers, pool_size) -> (service, worker addresses); stopped after the test."""
+    services = []
+
+    def start(n_workers: int, pool_size: int, addresses=None):
+        addresses = addresses or [("127.0.0.1", free_port()) for _ in range(n_workers)]
+        svc = serve(job_config(addresses, pool_size), "127.0.0.1", 0)
+        services.append(svc)
+        return svc, addresses
+    yield start
+    for svc in services:
+        svc.stop()
+
+
+def random_indices(n_workers: int, d: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 16, d).astype(np.uint8) for _ in range(n_workers)]
+
+
+def pack(idx: np.ndarray) -> np.ndarray:
+    """Two 4-bit indices per byte, the even one in the high nibble (test-side reference)."""
+    if len(idx) % 2:
+        idx = np.concatenate([idx, np.zeros(1, np.uint8)])
+    return ((idx[0::2] << 4) | idx[1::2]).astype(np.uint8)

@@ -1,0 +1,334 @@
+"""Worker transport against the real reference UDP aggregator on loopback."""
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import thc
+from host.netem import LossyUdpRelay
+from host.packets import TYPE_DATA, TYPE_FLUSH, decode_headers, encode_results, header_types
+from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
+                            RetransmitTimer, StragglerNotice, constant_policy)
+
+from hosttest_util import TABLE, aggregator, pack, random_indices  # noqa: F401 (fixture)
+
+
+def run_workers(n, fn):
+    """Run fn(w) on n threads; return results, re-raising the first error."""
+    results, errors = [None] * n, []
+
+    def body(w):
+        try:
+            results[w] = fn(w)
+        except Exception as exc:          # collected and re-raised in the test thread
+            errors.append(exc)
+    threads = [threading.Thread(target=body, args=(w,)) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def transports(svc_address, addresses, pool_size, **kw):
+    n = len(addresses)
+    return [AggregatorTransport(svc_address, job=1, worker=w, expected=(1 << n) - 1,
+                                pool_size=pool_size, local=addresses[w], **kw)
+            for w in range(n)]
+
+
+def test_sums_exact_for_random_indices(aggregator):
+    n, d, vpp, pool = 3, 5001, 256, 4
+    svc, addrs = aggregator(n, pool)
+    ts = transports(svc.address, addrs, pool, values_per_packet=vpp, timeout=10)
+    for t in ts:
+        t.flush()
+    for tensor, seed in enumerate([1, 2]):
+        idx = random_indices(n, d, seed)
+        out = run_workers(n, lambda w: ts[w].allreduce(pack(idx[w]), d, tensor))
+        expected = np.sum([TABLE[i] for i in idx], axis=0)
+        for res in out:
+            assert np.array_equal(res.sums.astype(np.int64), expected)
+            assert res.counts.tolist() == [n] * -(-d // vpp)
+            assert set(res.contributors.tolist()) == {0b111}
+            assert res.counts_per_value() == n
+    c = svc.counters()["jobs"][1]
+    assert c["results_multicast"] == 2 * -(-d // vpp)
+    assert c["drop_bad_expected"] == c["drop_not_member"] == 0
+    for t in ts:
+        t.close()
+
+
+def test_window_reuses_one_slot_in_order(aggregator):
+    n, d, vpp, pool = 2, 1000, 64, 1
+    svc, addrs = aggregator(n, pool)
+    ts = transports(svc.address, addrs, pool, values_per_packet=vpp, timeout=10)
+    idx = random_indices(n, d, 5)
+    out = run_workers(n, lambda w: ts[w].allreduce(pack(idx[w]), d, 9))
+    expected = np.sum([TABLE[i] for i in idx], axis=0)
+    assert all(np.array_equal(r.sums.astype(np.int64), expected) for r in out)
+    chunks = -(-d // vpp)
+    assert [t.slot_rounds.tolist() for t in ts] == [[chunks]] * n   # round +1 per reuse
+    c = svc.counters()["jobs"][1]
+    assert c["results_multicast"] == chunks
+    assert c["straggler_notices"] == 0          # never ran ahead of the window
+
+
+def _decoded_run(svc_address, addrs, grads, codec, *, rounds=3, timeout=15):
+    """Three THC allreduces of the same gradients; returns each worker's decoded means."""
+    n, d = len(grads), len(grads[0])
+    norms = np.max([codec.partition_norms(g) for g in grads], axis=0)
+    ts = transports(svc_address, addrs, 8, values_per_packet=512, timeout=timeout)
+    for t in ts:
+        t.flush()
+
+    def work(w):
+        outs = []
+        for r in range(rounds):
+            packed = codec.quantize(codec.rotate(grads[w]), norms, worker=w, round=r, tensor=4)
+            res = ts[w].allreduce(packed, codec.padded_length(d), 4)
+            outs.append(codec.decode(res.sums, res.counts_per_value(), norms, d))
+        return outs, ts[w].stats
+    out = run_workers(n, work)
+    for t in ts:
+        t.close()
+    return out
+
+
+def test_one_percent_loss_both_ways_is_bit_identical(aggregator):
+    n, d = 3, 40_000
+    codec = thc.THCCodec(seed=11, partition_size=1 << 14)
+    grads = [np.random.default_rng(w).standard_normal(d).astype(np.float32) for w in range(n)]
+    svc, addrs = aggregator(n, 8)
+    clean = _decoded_run(svc.address, addrs, grads, codec)
+
+    # The relay's per-worker proxy sockets are the members the second aggregator knows.
+    with LossyUdpRelay(("127.0.0.1", 0), n, loss_up=0.01, seed=3) as relay:
+        svc2, _ = aggregator(n, 8, addresses=relay.member_addresses)
+        relay.aggregator = svc2.address
+        t0 = time.monotonic()
+        lossy = _decoded_run(relay.address, [("127.0.0.1", 0)] * n, grads, codec)
+        elapsed = time.monotonic() - t0
+    assert relay.counters["dropped_up"] > 0 and relay.counters["dropped_down"] > 0
+    assert sum(stats.retransmissions for _, stats in lossy) > 0
+    assert elapsed < 30                                    # nothing hung
+    for (clean_outs, _), (lossy_outs, _) in zip(clean, lossy):
+        for a, b in zip(clean_outs, lossy_outs):
+            assert a.tobytes() == b.tobytes()              # bit-identical
+    mean = np.mean(grads, axis=0)
+    nmse = np.sum((clean[0][0][0] - mean) ** 2) / np.sum(mean ** 2)
+    assert nmse < 0.05
+
+
+def _killable_worker(address, local, w, n, pool, timeout, conn):
+    """A worker process: allreduce until killed (w == n-1) or until an error, report it."""
+    t = AggregatorTransport(address, job=1, worker=w, expected=(1 << n) - 1, pool_size=pool,
+                            local=local, values_per_packet=128, timeout=timeout)
+    idx = random_indices(1, 1000, w)[0]
+    try:
+        for step in range(1000):
+            t.allreduce(pack(idx), 1000, 0)
+            if step == 3 and w == n - 1:
+                conn.send(("about to die", None))
+                os.kill(os.getpid(), signal.SIGKILL)
+        conn.send(("finished", None))
+    except Exception as exc:
+        conn.send((type(exc).__name__, str(exc), time.monotonic()))
+
+
+def test_killed_worker_fails_the_others_clearly(aggregator):
+    n, pool, timeout = 3, 2, 1.5
+    svc, addrs = aggregator(n, pool)
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for w in range(n):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_killable_worker,
+                        args=(svc.address, addrs[w], w, n, pool, timeout, child))
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    assert pipes[n - 1].poll(60) and pipes[n - 1].recv()[0] == "about to die"
+    died = time.monotonic()
+    for w in range(n - 1):
+        assert pipes[w].poll(timeout + 20), f"worker {w} hung"
+        kind, message, when = pipes[w].recv()
+        assert kind == "AggregatorTimeout"
+        assert "worker(s) [2]" in message                 # names the dead worker
+        assert when - died < timeout + 10
+    for p in procs:
+        p.join(10)
+    assert procs[n - 1].exitcode == -signal.SIGKILL
+
+
+def test_unreachable_aggregator_is_reported_quickly():
+    port = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    port.bind(("127.0.0.1", 0))
+    address = port.getsockname()
+    port.close()                                           # nothing listens there now
+    t = AggregatorTransport(address, job=1, worker=0, expected=1, pool_size=2, timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorUnreachable, match="nothing listens"):
+        t.allreduce(np.zeros(10, np.uint8), 20, 0)
+    assert time.monotonic() - t0 < 4
+
+
+def test_silent_aggregator_times_out_with_a_message():
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    t = AggregatorTransport(silent.getsockname(), job=1, worker=0, expected=1, pool_size=2,
+                            timeout=0.6)
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorTimeout, match="nothing was ever received"):
+        t.allreduce(np.zeros(10, np.uint8), 20, 0)
+    assert 0.5 < time.monotonic() - t0 < 3
+    silent.close()
+
+
+class FakeAggregatorSocket:
+    """A plain socket playing the aggregator, so a test can send exact datagrams."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(5)
+        self.address = self.sock.getsockname()
+
+    def recv(self):
+        data, anc, _, source = self.sock.recvmsg(4096, socket.CMSG_SPACE(4))
+        tos = [c[2][0] for c in anc if c[0] == socket.IPPROTO_IP and c[1] == socket.IP_TOS]
+        return data, (tos[0] if tos else None), source
+
+
+def test_duplicates_reorder_and_garbage_are_ignored():
+    agg = FakeAggregatorSocket()
+    t = AggregatorTransport(agg.address, job=7, worker=0, expected=0b11, pool_size=4,
+                            values_per_packet=4, timeout=5)
+    sums = np.arange(10, dtype=np.uint8)
+    results = {}
+
+    def worker():
+        results["r"] = t.allreduce(np.zeros(5, np.uint8), 10, 3)
+    th = threading.Thread(target=worker)
+    th.start()
+    grams = [agg.recv() for _ in range(3)]                # 3 chunks of <= 4 values
+    source = grams[0][2]
+    hdr = decode_headers([g[0] for g in grams])
+    assert header_types(hdr).tolist() == [TYPE_DATA] * 3
+    bufs, lens = encode_results(sums, 10, 4, job=7, worker=0, tensor=3,
+                                slots=hdr["slot"], rounds=hdr["round"], expected=0b11,
+                                contributors=0b11, count=2)
+    wrong_job, _ = encode_results(sums, 10, 4, job=8, worker=0, tensor=3, slots=hdr["slot"],
+                                  rounds=hdr["round"], expected=3, contributors=3, count=2)
+    agg.sock.sendto(b"short", source)                      # malformed
+    agg.sock.sendto(bytes(wrong_job[0, :lens[0]]), source)  # another job
+    for k in (2, 0, 0, 1):                                 # reordered, one duplicate
+        agg.sock.sendto(bytes(bufs[k, :lens[k]]), source)
+    th.join(10)
+    res = results["r"]
+    assert np.array_equal(res.sums, sums)
+    assert res.counts.tolist() == [2, 2, 2]
+    assert t.stats.ignored >= 2
+    assert t.stats.duplicates >= 1 or t.stats.results_accepted == 3
+
+
+def test_policy_sets_dscp_and_ecn_per_packet():
+    agg = FakeAggregatorSocket()
+
+    def policy(*, layer, num_layers, values, values_per_packet, num_packets):
+        dscp = (32 + np.arange(num_packets) % 3).astype(np.uint8)
+        ecn = (np.arange(num_packets) % 2).astype(np.uint8)
+        return dscp, ecn
+    t = AggregatorTransport(agg.address, job=1, worker=0, expected=1, pool_size=8,
+                            values_per_packet=2, timeout=0.5, policy=policy)
+    with pytest.raises(AggregatorTimeout):
+        t.allreduce(np.zeros(3, np.uint8), 6, 0)           # nobody answers: fine here
+    tos = {}
+    agg.sock.settimeout(0.5)
+    try:
+        while True:
+            data, t_o_s, _ = agg.recv()
+            h = decode_headers([data])[0]
+            tos.setdefault(int(h["offset"]) // 2, t_o_s)
+    except socket.timeout:
+        pass
+    assert tos == {k: ((32 + k % 3) << 2) | (k % 2) for k in range(3)}
+
+
+def test_flush_resets_every_slot_of_the_pool():
+    agg = FakeAggregatorSocket()
+    t = AggregatorTransport(agg.address, job=2, worker=1, expected=0b10, pool_size=5, timeout=1,
+                            policy=constant_policy(48))
+    t.slot_rounds[:] = 7
+    t.flush(repeats=1)
+    hdr = decode_headers([agg.recv()[0] for _ in range(5)])
+    assert header_types(hdr).tolist() == [TYPE_FLUSH] * 5
+    assert sorted(hdr["slot"].tolist()) == [0, 1, 2, 3, 4]
+    assert set(hdr["job"].tolist()) == {2} and set(hdr["worker"].tolist()) == {1}
+    assert t.slot_rounds.tolist() == [0] * 5
+
+
+def test_straggler_notice_raises_a_clear_error(aggregator):
+    svc, addrs = aggregator(1, 1)
+    t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=1,
+                            local=addrs[0], values_per_packet=8, timeout=5)
+    for _ in range(3):                                     # slot 0 reaches round 2
+        t.allreduce(np.zeros(4, np.uint8), 8, 0)
+    t.slot_rounds[:] = 0                                   # as if this worker restarted
+    with pytest.raises(StragglerNotice, match="round 2 but this worker sent round 0"):
+        t.allreduce(np.zeros(4, np.uint8), 8, 0)
+
+
+def test_retransmit_timer_follows_rtt_within_bounds():
+    timer = RetransmitTimer(rto_init=0.2, rto_min=0.01, rto_max=1.0)
+    assert timer.rto == 0.2
+    for _ in range(50):
+        timer.sample(0.002)
+    assert timer.rto == pytest.approx(0.01)                # clamped at rto_min
+    for _ in range(50):
+        timer.sample(0.05)
+    assert 0.05 <= timer.rto < 0.1                        # follows the new RTT
+    timer.sample(5.0)
+    assert timer.rto == 1.0                                # clamped at rto_max
+    with pytest.raises(ValueError):
+        RetransmitTimer(rto_init=0.001, rto_min=0.01)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="values_per_packet"):
+        AggregatorTransport(("127.0.0.1", 50000), job=1, worker=0, expected=1, pool_size=2,
+                            values_per_packet=2000)
+    with pytest.raises(ValueError, match="expected bitmap"):
+        AggregatorTransport(("127.0.0.1", 50000), job=1, worker=3, expected=0b11, pool_size=2)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        AggregatorTransport("localhost", job=1, worker=0, expected=1, pool_size=2)
+
+
+def test_straggler_notice_can_give_the_chunk_up(aggregator):
+    svc, addrs = aggregator(1, 1)
+    t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=1,
+                            local=addrs[0], values_per_packet=8, timeout=5,
+                            on_straggler="skip")
+    for _ in range(3):
+        t.allreduce(np.zeros(4, np.uint8), 8, 0)
+    t.slot_rounds[:] = 0
+    res = t.allreduce(np.zeros(4, np.uint8), 8, 0)
+    assert res.counts.tolist() == [0] and t.stats.straggler_notices == 1
+
+
+def test_a_busy_worker_port_is_refused_clearly():
+    from host.transport import TransportError
+    holder = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    holder.bind(("127.0.0.1", 0))
+    with pytest.raises(TransportError, match="cannot bind its UDP address"):
+        AggregatorTransport(("127.0.0.1", 50000), job=1, worker=0, expected=1, pool_size=2,
+                            local=holder.getsockname())
+    holder.close()
