@@ -1,0 +1,1 @@
+"""AdapCC-style scheduling: cost model, synthesizer, coordinator, profiler, executor (docs/adapcc.md)."""

@@ -1,0 +1,299 @@
+"""AdapCC cost model (Eqs. 1-6 of the paper) and the strategy representation.
+
+A *network* is a directed graph of nodes with an alpha-beta cost per edge.  Node kinds:
+
+* ``gpu``  - a worker: holds a tensor, may aggregate (a=1) and may be a root;
+* ``agg``  - an in-network aggregator (switch): holds no data, may aggregate;
+* ``nic``  - a pure relay: holds no data, never aggregates (a=0 forced).
+
+A *strategy* is M sub-collectives.  Sub-collective m moves a partition of S_m bytes in chunks of
+C_m bytes from its flows' sources to their destinations along explicit routes (node paths), with an
+aggregation flag per node.  ``evaluate`` returns the modelled completion time (Eq. 4).
+
+Interpretations (the paper leaves these open; see docs/adapcc.md):
+* Eq. 2's max runs over *all* flows entering the aggregating node (the prose reading); a node's own
+  chunk merges there too, so flows that originate at an aggregating node leave at the merged time.
+* Eq. 5 is reproduced as written (the first chunk is counted in h_Dst and in the product).
+* AllReduce = Reduce, then the same routes reversed as a Broadcast, pipelined: the broadcast of a
+  chunk starts when it is reduced at the root, and the chunk stream moves at the slower stage's
+  bottleneck.  Both stages' loads share the directed links they use.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NODE_KINDS = ("gpu", "agg", "nic")
+PRIMITIVES = ("reduce", "broadcast", "allreduce")
+
+
+@dataclass
+class Network:
+    """Nodes plus per-edge alpha (s) and beta (s/byte); an edge exists where beta is finite."""
+
+    names: list[str]
+    kinds: list[str]
+    alpha: np.ndarray
+    beta: np.ndarray
+
+    def __post_init__(self):
+        n = len(self.names)
+        self.alpha = np.asarray(self.alpha, dtype=float)
+        self.beta = np.asarray(self.beta, dtype=float)
+        if len(self.kinds) != n or self.alpha.shape != (n, n) or self.beta.shape != (n, n):
+            raise ValueError(f"network needs {n} kinds and {n}x{n} alpha/beta matrices")
+        bad = [k for k in self.kinds if k not in NODE_KINDS]
+        if bad:
+            raise ValueError(f"unknown node kinds {bad}; use one of {NODE_KINDS}")
+        finite = np.isfinite(self.beta)
+        if np.any(self.beta[finite] <= 0) or np.any(self.alpha[finite] < 0):
+            raise ValueError("beta must be > 0 and alpha >= 0 on every edge")
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    def has_edge(self, i: int, j: int) -> bool:
+        return i != j and bool(np.isfinite(self.beta[i, j]))
+
+    def edges(self) -> list[tuple[int, int]]:
+        return [(i, j) for i in range(self.n) for j in range(self.n) if self.has_edge(i, j)]
+
+    def gpus(self) -> list[int]:
+        return [i for i, k in enumerate(self.kinds) if k == "gpu"]
+
+
+def make_cluster(gpus_per_server, nic_gbps, nvlink_gbps=300.0, nvlink_alpha=5e-6,
+                 net_alpha=20e-6, aggregator_gbps=None, aggregator_alpha=5e-6) -> Network:
+    """A cluster of servers: NVLink inside a server, NIC bandwidth between servers.
+
+    The bandwidth between GPUs of two servers is the smaller NIC.  With ``aggregator_gbps`` an
+    in-network aggregator node ``agg`` is added, linked to every GPU at min(NIC, aggregator) rate.
+    """
+    if len(gpus_per_server) != len(nic_gbps):
+        raise ValueError("give one NIC bandwidth per server")
+    names, kinds, server_of = [], [], []
+    for s, count in enumerate(gpus_per_server):
+        for g in range(count):
+            names.append(f"s{s}g{g}")
+            kinds.append("gpu")
+            server_of.append(s)
+    if aggregator_gbps is not None:
+        names.append("agg")
+        kinds.append("agg")
+    n = len(names)
+    alpha = np.full((n, n), np.inf)
+    beta = np.full((n, n), np.inf)
+    n_gpu = len(server_of)
+    for i in range(n_gpu):
+        for j in range(n_gpu):
+            if i == j:
+                continue
+            if server_of[i] == server_of[j]:
+                gbps, lat = nvlink_gbps, nvlink_alpha
+            else:
+                gbps, lat = min(nic_gbps[server_of[i]], nic_gbps[server_of[j]]), net_alpha
+            alpha[i, j], beta[i, j] = lat, 8.0 / (gbps * 1e9)
+    if aggregator_gbps is not None:
+        a = n - 1
+        for i in range(n_gpu):
+            gbps = min(nic_gbps[server_of[i]], aggregator_gbps)
+            for x, y in ((i, a), (a, i)):
+                alpha[x, y], beta[x, y] = aggregator_alpha, 8.0 / (gbps * 1e9)
+    return Network(names, kinds, alpha, beta)
+
+
+@dataclass
+class SubCollective:
+    """One of the M parallel sub-collectives: its routes, chunking and aggregation flags.
+
+    ``routes`` maps a flow's source node to its node path.  Reduce: path src -> ... -> root for every
+    non-root GPU.  Broadcast: path root -> ... -> dst, keyed by dst.
+    """
+
+    root: int
+    size: float
+    chunk: float
+    routes: dict[int, list[int]]
+    aggregate: frozenset = field(default_factory=frozenset)
+
+    @property
+    def n_chunks(self) -> int:
+        return max(1, math.ceil(self.size / self.chunk - 1e-9))
+
+
+@dataclass
+class Strategy:
+    primitive: str
+    subs: list[SubCollective]
+
+    def __post_init__(self):
+        if self.primitive not in PRIMITIVES:
+            raise ValueError(f"primitive {self.primitive!r} unknown; use one of {PRIMITIVES}")
+        if not self.subs:
+            raise ValueError("a strategy needs at least one sub-collective")
+
+
+@dataclass
+class Evaluation:
+    time: float
+    sub_times: list[float]
+    loads: dict[tuple[int, int], int]
+
+
+def tree_routes(parent: dict[int, int], root: int) -> dict[int, list[int]]:
+    """Reduce routes from a parent map (child -> parent): each source walks up to the root."""
+    routes = {}
+    for src in parent:
+        path, node = [src], src
+        while node != root:
+            node = parent[node]
+            if node in path:
+                raise ValueError(f"parent map has a cycle through node {node}")
+            path.append(node)
+        routes[src] = path
+    return routes
+
+
+def check_flow_conservation(net: Network, sub: SubCollective, primitive: str) -> None:
+    """Eq. 1: every route is a simple path over existing edges from Src_f to Dst_f."""
+    expected_sources = set(net.gpus()) - {sub.root}
+    if set(sub.routes) != expected_sources:
+        raise ValueError(f"sub-collective rooted at {sub.root} must route every other GPU exactly "
+                         f"once; missing {sorted(expected_sources - set(sub.routes))}")
+    for key, path in sub.routes.items():
+        src, dst = (key, sub.root) if primitive != "broadcast" else (sub.root, key)
+        if path[0] != src or path[-1] != dst:
+            raise ValueError(f"route {path} must run from {src} to {dst}")
+        if len(set(path)) != len(path):
+            raise ValueError(f"route {path} revisits a node")
+        for i, j in zip(path, path[1:]):
+            if not net.has_edge(i, j):
+                raise ValueError(f"route {path} uses missing edge {i}->{j}")
+
+
+def _topological(nodes: set[int], edges: set[tuple[int, int]]) -> list[int]:
+    indeg = {v: 0 for v in nodes}
+    for _, j in edges:
+        indeg[j] += 1
+    order, ready = [], sorted(v for v, d in indeg.items() if d == 0)
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for i, j in edges:
+            if i == v:
+                indeg[j] -= 1
+                if indeg[j] == 0:
+                    ready.append(j)
+    if len(order) != len(nodes):
+        raise ValueError("the union of a sub-collective's routes must be acyclic")
+    return order
+
+
+def _reduce_loads(net, sub) -> dict[tuple[int, int], int]:
+    """N^m_{ij} for Reduce: 1 out of an aggregating node, own + upstream load otherwise."""
+    edges = {(i, j) for p in sub.routes.values() for i, j in zip(p, p[1:])}
+    nodes = {v for e in edges for v in e}
+    load: dict[tuple[int, int], int] = {}
+    for i in _topological(nodes, edges):
+        outs = [e for e in edges if e[0] == i]
+        if not outs:
+            continue
+        if i in sub.aggregate and net.kinds[i] != "nic":
+            value = 1
+        else:
+            own = 1 if i in sub.routes else 0
+            value = own + sum(v for (k, j), v in load.items() if j == i)
+        for e in outs:
+            load[e] = value
+    return load
+
+
+def stage_loads(net: Network, strategy: Strategy) -> dict[tuple[int, int], int]:
+    """Total load per directed edge over all sub-collectives and stages (Eq. 3's denominator)."""
+    total: dict[tuple[int, int], int] = {}
+    for sub in strategy.subs:
+        if strategy.primitive == "broadcast":
+            parts = [{(i, j): 1 for p in sub.routes.values() for i, j in zip(p, p[1:])}]
+        else:
+            parts = [_reduce_loads(net, sub)]
+            if strategy.primitive == "allreduce":
+                parts.append({(j, i): 1 for p in sub.routes.values() for i, j in zip(p, p[1:])})
+        for part in parts:
+            for e, v in part.items():
+                total[e] = total.get(e, 0) + v
+    return total
+
+
+def _edge_time(net, loads, sub, i, j) -> float:
+    return net.alpha[i, j] + net.beta[i, j] * loads[(i, j)] * sub.chunk
+
+
+def _reduce_stage(net, loads, sub):
+    """Chunk ready times (Eq. 2) and per-flow bottlenecks (Eq. 6) of a Reduce stage."""
+    h = {src: {src: 0.0} for src in sub.routes}       # h[flow][node]
+    edges = {(i, j) for p in sub.routes.values() for i, j in zip(p, p[1:])}
+    nodes = {v for e in edges for v in e}
+    for j in _topological(nodes, edges):
+        entering = [(f, p[p.index(j) - 1]) for f, p in sub.routes.items()
+                    if j in p and p.index(j) > 0]
+        arrivals = {f: h[f][i] + _edge_time(net, loads, sub, i, j) for f, i in entering}
+        if j in sub.aggregate and net.kinds[j] != "nic" and (arrivals or j in sub.routes):
+            merged = max(list(arrivals.values()) + ([0.0] if j in sub.routes else []))
+            for f in arrivals:
+                h[f][j] = merged
+            if j in sub.routes:
+                h[j][j] = merged
+        else:
+            for f, t in arrivals.items():
+                h[f][j] = t
+    bottleneck = {f: max(h[f][j] - h[f][i] for i, j in zip(p, p[1:]))
+                  for f, p in sub.routes.items()}
+    return h, bottleneck
+
+
+def _broadcast_stage(net, loads, sub, paths):
+    """Broadcast along ``paths`` (root first): no aggregation, so h grows by t per hop."""
+    arrival, bottleneck = {}, {}
+    for dst, p in paths.items():
+        t = [_edge_time(net, loads, sub, i, j) for i, j in zip(p, p[1:])]
+        arrival[dst], bottleneck[dst] = sum(t), max(t)
+    return arrival, bottleneck
+
+
+def evaluate(net: Network, strategy: Strategy) -> Evaluation:
+    """Modelled completion time of ``strategy`` on ``net`` (Eqs. 1-6)."""
+    for sub in strategy.subs:
+        check_flow_conservation(net, sub, strategy.primitive)
+    loads = stage_loads(net, strategy)
+    times = []
+    for sub in strategy.subs:
+        if not sub.routes:          # a single GPU: nothing to move
+            times.append(0.0)
+            continue
+        k = sub.n_chunks
+        if strategy.primitive == "broadcast":
+            arrival, bott = _broadcast_stage(net, loads, sub, sub.routes)
+            times.append(max(arrival[d] + k * bott[d] for d in arrival))
+            continue
+        h, bott = _reduce_stage(net, loads, sub)
+        if strategy.primitive == "reduce":
+            times.append(max(h[f][sub.root] + k * bott[f] for f in sub.routes))
+            continue
+        reversed_paths = {src: list(reversed(p)) for src, p in sub.routes.items()}
+        arrival, bbott = _broadcast_stage(net, loads, sub, reversed_paths)
+        root_ready = max(h[f][sub.root] for f in sub.routes)
+        stream = max(max(bott.values()), max(bbott.values()))
+        times.append(root_ready + max(arrival.values()) + k * stream)
+    return Evaluation(max(times), times, loads)
+
+
+def sequential_allreduce_time(net: Network, strategy: Strategy) -> float:
+    """Reduce then Broadcast run one after the other (the non-pipelined reference for T10)."""
+    reduce = Strategy("reduce", strategy.subs)
+    bsubs = [SubCollective(s.root, s.size, s.chunk,
+                           {src: list(reversed(p)) for src, p in s.routes.items()}, s.aggregate)
+             for s in strategy.subs]
+    return evaluate(net, reduce).time + evaluate(net, Strategy("broadcast", bsubs)).time

@@ -1,0 +1,261 @@
+"""AdapCC experiments: synthesizer vs hand-built strategies, coordinator vs fixed policies.
+
+    python -m host.adapcc.experiments --json results.json [--plots docs/img] [--trials 2000]
+
+1. Synthesis on heterogeneous bandwidth matrices (modelled time, Eqs. 1-6): ring, binary tree,
+   star, par-trees and (small graphs) the MILP.  Every hand-built strategy gets its best chunk count.
+2. Re-synthesis under a volatile network: one NIC's bandwidth follows a trace; re-profiling every
+   period re-solves, compared with keeping the first strategy.
+3. Coordinator on heavy-tailed ready times (4 fast + 4 slow workers): break-even vs always-wait,
+   never-wait and THC's k-of-n, each against the offline optimum of the same cost model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+from tqdm import tqdm
+
+from . import strategies as S
+from .coordinator import Coordinator, SkiRentalCostModel, offline_optimum
+from .costmodel import Network, evaluate, make_cluster
+from .synthesizer import CHUNK_COUNTS, Synthesizer, optimize
+
+MB = 1e6
+
+SMALL_CASES = {
+    "S1: 2x2 GPUs, NIC 100/50": dict(gpus=[2, 2], nics=[100, 50]),
+    "S2: 4 servers, NIC 100/50/100/25": dict(gpus=[1, 1, 1, 1], nics=[100, 50, 100, 25]),
+    "S3: 3 servers (2+1+1), NIC 100/25/100": dict(gpus=[2, 1, 1], nics=[100, 25, 100]),
+    "S4: 3 servers + switch aggregator": dict(gpus=[1, 1, 1], nics=[100, 50, 100], agg=100),
+}
+LARGE_CASES = {
+    "L1: testbed 4xA100(100G)+2xV100(50G), 4 GPUs each": dict(gpus=[4] * 6,
+                                                          nics=[100, 100, 100, 100, 50, 50]),
+    "L2: 8 servers x 2 GPUs, NIC 1..100G": dict(gpus=[2] * 8, nics=[100, 1, 50, 100, 25, 100, 10, 100]),
+}
+
+
+def _servers(gpus):
+    out, k = [], 0
+    for count in gpus:
+        out.append(list(range(k, k + count)))
+        k += count
+    return out
+
+
+def _best(net, build, prim, size, m, root=0):
+    return min(evaluate(net, build(net, prim, root, size, n_chunks=k, m=m)).time
+               for k in CHUNK_COUNTS)
+
+
+def synthesis_experiment(size=256 * MB, m_small=1, m_large=4) -> list[dict]:
+    rows = []
+    cases = [(n, c, True) for n, c in SMALL_CASES.items()] + \
+            [(n, c, False) for n, c in LARGE_CASES.items()]
+    for name, case, small in tqdm(cases, desc="synthesis"):
+        net = make_cluster(case["gpus"], case["nics"], aggregator_gbps=case.get("agg"))
+        m = m_small if small else m_large
+        for prim in ("reduce", "allreduce"):
+            row = {"case": name, "primitive": prim, "m": m, "nodes": net.n}
+            row["ring"] = _best(net, S.ring, prim, size, m)
+            row["binary_tree"] = _best(net, S.binary_tree, prim, size, m)
+            row["star"] = _best(net, S.star, prim, size, m)
+            root = 0 if prim == "reduce" else None
+            row["par_trees"] = min(evaluate(net, S.par_trees(net, prim, size, m, k,
+                                                             _servers(case["gpus"]), root)).time
+                                   for k in CHUNK_COUNTS)
+            if "agg" in case:
+                row["aggregator_star"] = _best(net, S.aggregator_star, prim, size, m)
+            if small:
+                res = optimize(net, prim, size, m=m, root=root, time_limit=30)
+                row["milp"] = evaluate(net, res.strategy).time
+                row["milp_solve_s"] = res.solve_seconds
+                row["milp_optimal"] = res.optimal
+            if small:
+                row["synthesizer"] = min(row[k] for k in ("milp", "ring", "binary_tree", "star",
+                                                          "par_trees"))
+            else:
+                synth = Synthesizer(prim, size, m=m, root=root, milp_max_nodes=0,
+                                    servers=_servers(case["gpus"])).synthesize(net)
+                row["synthesizer"], row["synthesizer_method"] = synth.modeled_time, synth.method
+            row["speedup_vs_ring"] = row["ring"] / row["synthesizer"]
+            row["speedup_vs_binary_tree"] = row["binary_tree"] / row["synthesizer"]
+            rows.append(row)
+    return rows
+
+
+def volatility_experiment(periods=40, size=64 * MB, amplitude=0.6, seed=0) -> dict:
+    """Per-pair bandwidths (cloud paths) follow random walks scaled by (1 +- amplitude) around
+    25 Gbps; the synthesizer re-solves each profiling period, the static run keeps the first."""
+    rng = np.random.default_rng(seed)
+    n = 4
+    synth = Synthesizer("allreduce", size, m=1, milp_max_nodes=n, time_limit=10)
+    static = None
+    adaptive_total = static_total = 0.0
+    resolves = 0
+    walk = np.zeros((n, n))
+    trace = []
+    for _ in tqdm(range(periods), desc="volatility"):
+        walk = np.clip(walk + rng.normal(0, 0.35, (n, n)), -1, 1)
+        sym = (walk + walk.T) / 2
+        gbps = 25.0 * (1 + amplitude * sym)
+        alpha = np.full((n, n), 20e-6)
+        beta = 8.0 / (gbps * 1e9)
+        np.fill_diagonal(alpha, np.inf)
+        np.fill_diagonal(beta, np.inf)
+        net = Network([f"vm{i}" for i in range(n)], ["gpu"] * n, alpha, beta)
+        if synth.update_profile(net):
+            resolves += 1
+        if static is None:
+            static = synth.current.strategy
+        static_t = evaluate(net, static).time
+        adaptive_total += synth.current.modeled_time
+        static_total += static_t
+        trace.append({"adaptive": synth.current.modeled_time, "static": static_t})
+    return {"periods": periods, "amplitude": amplitude, "resyntheses": resolves,
+            "adaptive_makespan": adaptive_total, "static_makespan": static_total,
+            "speedup": static_total / adaptive_total, "trace": trace}
+
+
+def ready_times(rng, scenario: str):
+    """Per-iteration ready offsets (s).  heterogeneous: 4 fast workers with lognormal jitter and
+    4 slow ones with a Pareto tail; homogeneous: 8 workers with small lognormal jitter."""
+    if scenario == "homogeneous":
+        return list(rng.lognormal(np.log(0.004), 0.4, 8))
+    fast = rng.lognormal(np.log(0.004), 0.5, 4)
+    slow = 0.01 + rng.pareto(1.3, 4) * 0.02
+    return list(np.concatenate([fast, slow]))
+
+
+def coordinator_experiment(trials=2000, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    n = 8
+    cost = SkiRentalCostModel(n, 100 * MB, tuple([50e9 / 8] * n))
+    policies = {"break-even": dict(), "always-wait": dict(policy="always-wait"),
+                "never-wait": dict(policy="never-wait"), "k-of-n (k=6)": dict(k_of_n=6)}
+    out = {"n": n, "trials": trials, "c_full_ms": cost.full() * 1e3, "scenarios": {}}
+    for scenario in ("heterogeneous", "homogeneous"):
+        costs = {p: [] for p in policies}
+        opt = []
+        for _ in tqdm(range(trials), desc=f"coordinator {scenario}"):
+            trace = ready_times(rng, scenario)
+            opt.append(offline_optimum(cost, trace))
+            for name, kw in policies.items():
+                costs[name].append(Coordinator(cost, **kw).run_trace(trace).cost)
+        opt_arr = np.array(opt)
+        res = {"offline_opt_mean_ms": float(opt_arr.mean() * 1e3), "policies": {},
+               "_raw": {k: (np.array(v) * 1e3).tolist() for k, v in costs.items()}}
+        for name, vals in costs.items():
+            v = np.array(vals)
+            res["policies"][name] = {"mean_ms": float(v.mean() * 1e3),
+                                     "p90_ms": float(np.percentile(v, 90) * 1e3),
+                                     "max_ratio_to_opt": float((v / opt_arr).max()),
+                                     "mean_ratio_to_opt": float((v / opt_arr).mean())}
+        out["scenarios"][scenario] = res
+    return out
+
+
+def plot(results: dict, outdir: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(outdir, exist_ok=True)
+    written = []
+    rows = results["synthesis"]
+    keys = ["ring", "binary_tree", "star", "par_trees", "synthesizer"]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    width = 0.16
+    for k, key in enumerate(keys):
+        vals = [r.get(key, np.nan) * 1e3 for r in rows]
+        ax.bar(np.arange(len(rows)) + (k - 2) * width, vals, width, label=key)
+    ax.set_xticks(np.arange(len(rows)))
+    ax.set_xticklabels([f"{r['case'].split(':')[0]}\n{r['primitive']}\nM={r['m']}" for r in rows],
+                       fontsize=7)
+    ax.set_ylabel("modelled time (ms), 256 MB")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("AdapCC cost model: synthesized vs hand-built strategies")
+    fig.tight_layout()
+    path = os.path.join(outdir, "adapcc_synthesis.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+
+    vol = results["volatility"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot([t["static"] * 1e3 for t in vol["trace"]], label="static strategy")
+    ax.plot([t["adaptive"] * 1e3 for t in vol["trace"]], label="re-synthesized each period")
+    ax.set_xlabel("profiling period")
+    ax.set_ylabel("modelled allreduce (ms)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"volatile NICs: makespan speed-up {vol['speedup']:.2f}x")
+    fig.tight_layout()
+    path = os.path.join(outdir, "adapcc_volatility.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+
+    coord = results["coordinator"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+    for ax, (scenario, res) in zip(axes, coord["scenarios"].items()):
+        for name, vals in res["_raw"].items():
+            v = np.sort(vals)
+            ax.plot(v, np.linspace(0, 1, len(v)), label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("wait + communication (ms)")
+        ax.set_ylabel("CDF")
+        ax.set_title(f"coordinator, {scenario} ready times", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(outdir, "adapcc_coordinator.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--plots", default="docs/img")
+    ap.add_argument("--trials", type=int, default=2000)
+    args = ap.parse_args(argv)
+    results = {"synthesis": synthesis_experiment(), "volatility": volatility_experiment(),
+               "coordinator": coordinator_experiment(args.trials)}
+    print(f"{'case':48} {'prim':9} {'ring':>8} {'tree':>8} {'star':>8} {'partree':>8} "
+          f"{'milp':>8} {'synth':>8} {'x ring':>7} {'x tree':>7}")
+    for r in results["synthesis"]:
+        milp = f"{r['milp'] * 1e3:8.2f}" if "milp" in r else f"{'-':>8}"
+        print(f"{r['case'][:48]:48} {r['primitive']:9} {r['ring'] * 1e3:8.2f} "
+              f"{r['binary_tree'] * 1e3:8.2f} {r['star'] * 1e3:8.2f} {r['par_trees'] * 1e3:8.2f} "
+              f"{milp} {r['synthesizer'] * 1e3:8.2f} {r['speedup_vs_ring']:7.2f} "
+              f"{r['speedup_vs_binary_tree']:7.2f}")
+    v = results["volatility"]
+    print(f"volatility: {v['resyntheses']} re-syntheses, makespan static {v['static_makespan']:.3f}s "
+          f"vs adaptive {v['adaptive_makespan']:.3f}s ({v['speedup']:.2f}x)")
+    c = results["coordinator"]
+    for scenario, res in c["scenarios"].items():
+        print(f"coordinator {scenario} (C_full = {c['c_full_ms']:.1f} ms, offline opt mean "
+              f"{res['offline_opt_mean_ms']:.1f} ms)")
+        for name, p in res["policies"].items():
+            print(f"  {name:14} mean {p['mean_ms']:7.1f} ms  p90 {p['p90_ms']:7.1f} ms  "
+                  f"mean/opt {p['mean_ratio_to_opt']:.2f}  max/opt {p['max_ratio_to_opt']:.2f}")
+    if args.plots:
+        for path in plot(results, args.plots):
+            print("wrote", path)
+    if args.json:
+        slim = dict(results)
+        slim["coordinator"] = {**results["coordinator"], "scenarios": {
+            k: {kk: vv for kk, vv in v.items() if kk != "_raw"}
+            for k, v in results["coordinator"]["scenarios"].items()}}
+        with open(args.json, "w") as f:
+            json.dump(slim, f, indent=1)
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Profiler (T11, T12), behaviour tuples (T4) and the gloo end-to-end run (T1-T3, T5)."""
+import numpy as np
+import pytest
+
+from host.adapcc import strategies as S
+from host.adapcc.costmodel import Strategy, SubCollective
+from host.adapcc.executor import behaviours, partitions
+from host.adapcc.gloo_check import run_all
+from host.adapcc.profiler import PeriodicProfiler, _plan, fit_alpha_beta, round_schedule
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_t11_round_schedule_collision_free(n):
+    rounds = round_schedule(n)
+    assert len(rounds) == n - 1
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == sorted((i, j) for i in range(n) for j in range(n) if i != j)
+    for r in rounds:
+        assert len({s for s, _ in r}) == n and len({d for _, d in r}) == n
+
+
+def test_t12_fit_recovers_alpha_beta():
+    rng = np.random.default_rng(0)
+    alpha, beta = 50e-6, 8 / 10e9
+    samples = []
+    for n, s in _plan((16e3, 128e3, 1e6), (1, 4, 8), 3):
+        t = n * alpha + n * s * beta
+        samples.append((n, n * s, t * (1 + rng.normal(0, 0.02))))
+    a, b = fit_alpha_beta(samples)
+    assert a == pytest.approx(alpha, rel=0.15)
+    assert b == pytest.approx(beta, rel=0.05)
+    with pytest.raises(ValueError, match="two different"):
+        fit_alpha_beta([(1, 100, 1.0)])
+
+
+def test_periodic_profiler_refuses_zero_period():
+    with pytest.raises(ValueError, match="period"):
+        PeriodicProfiler(period=0)
+
+
+def chain_strategy():
+    # reduce chain 3 -> 2 -> 1 -> 0 plus leaf 4 -> 0 (five ranks)
+    routes = {3: [3, 2, 1, 0], 2: [2, 1, 0], 1: [1, 0], 4: [4, 0]}
+    return Strategy("reduce", [SubCollective(0, 1.0, 1.0, routes, frozenset(range(5)))])
+
+
+def test_t4_behaviour_tuples():
+    strat = chain_strategy()
+    beh = behaviours(strat, 0, active={0, 3}, n_ranks=5)
+    # relays 2 and 1 with one live predecessor: forward only
+    for r in (1, 2):
+        assert (beh[r].has_recv, beh[r].has_kernel, beh[r].has_send) == (True, False, True)
+    # leaf relay 4: nothing to do
+    assert (beh[4].has_recv, beh[4].has_kernel, beh[4].has_send) == (False, False, False)
+    # root never sends
+    assert beh[0].has_send is False and beh[0].has_recv is True
+    assert beh[3] == type(beh[3])(True, False, False, True)
+    bc = S.ring(S.make_uniform_network(4), "broadcast", 0, 1.0)
+    assert not any(b.has_kernel for b in behaviours(bc, 0, {0, 1, 2, 3}, 4).values())
+
+
+def test_partitions_cover_uneven_sizes():
+    strat = S.ring(S.make_uniform_network(3), "allreduce", 0, 10.0, n_chunks=4, m=3)
+    for numel in (1, 7, 1001):
+        parts = partitions(strat, numel)
+        assert sum(length for _, length, _ in parts) == numel
+        assert all(o2 == o1 + l1 for (o1, l1, _), (o2, _, _) in zip(parts, parts[1:]))
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    return run_all(world=4, timeout=240)
+
+
+def test_gloo_end_to_end(gloo_results):
+    assert sorted(gloo_results) == [0, 1, 2, 3]
+    for rank, res in gloo_results.items():
+        assert "error" not in res, res
+        for key in ("allreduce_int_exact", "allreduce_float_close", "broadcast_exact",
+                    "phase1_ready_sum_exact", "two_phase_full_sum_exact", "fig6_phase1_3_full_4",
+                    "switched_strategy_close", "periodic_profile"):
+            assert res[key] is True, (rank, key)
+    assert gloo_results[2]["reduce_root_exact"] is True
+    prof = gloo_results[0]
+    assert len(prof["gbps"]) == 12 and all(g > 0 and np.isfinite(g) for g in prof["gbps"])
+    assert all(a >= 0 for a in prof["alpha_us"])

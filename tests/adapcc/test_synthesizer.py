@@ -1,0 +1,173 @@
+"""Cost model (Eqs. 1-6) and synthesizer: T6-T10 of the AdapCC digest."""
+import numpy as np
+import pytest
+
+from host.adapcc import strategies as S
+from host.adapcc.costmodel import (Network, Strategy, SubCollective, evaluate, make_cluster,
+                                   sequential_allreduce_time, stage_loads)
+from host.adapcc.synthesizer import Synthesizer, optimize, solve_milp
+
+MB = 1e6
+HAND_BUILT = {"ring": S.ring, "binary_tree": S.binary_tree, "star": S.star}
+
+
+def hetero():
+    """Two GPUs per server; the middle server has the slow (25 Gbps) NIC."""
+    return make_cluster([2, 1, 1], [100, 25, 100], net_alpha=20e-6)
+
+
+def best_hand_built(net, prim, root, size, m=1):
+    out = {}
+    for name, build in HAND_BUILT.items():
+        out[name] = min(evaluate(net, build(net, prim, root, size, n_chunks=k, m=m)).time
+                        for k in (1, 2, 4, 8, 16, 32))
+    return out
+
+
+@pytest.mark.parametrize("prim", ["reduce", "allreduce", "broadcast"])
+def test_t8_milp_beats_every_hand_built(prim):
+    net = hetero()
+    res = optimize(net, prim, 32 * MB, m=1, root=0)
+    modeled = evaluate(net, res.strategy).time
+    assert modeled == pytest.approx(res.objective, rel=1e-6)   # MILP objective == evaluator
+    for name, t in best_hand_built(net, prim, 0, 32 * MB).items():
+        assert modeled <= t * (1 + 1e-9), name
+
+
+def test_t8_strictly_beats_tree_with_slow_nic_inside():
+    net = make_cluster([1, 1, 1, 1], [100, 25, 100, 100], net_alpha=20e-6)
+    # binary tree over order 0,1,2,3: the slow node 1 is interior (parent of 3)
+    tree = min(evaluate(net, S.binary_tree(net, "reduce", 0, 32 * MB, n_chunks=k)).time
+               for k in (1, 2, 4, 8, 16, 32))
+    milp = optimize(net, "reduce", 32 * MB, root=0)
+    assert milp.objective < tree * 0.99
+
+
+def test_milp_with_aggregator_node_and_two_subcollectives():
+    net = make_cluster([1, 1, 1], [100, 100, 50], aggregator_gbps=100)
+    res = solve_milp(net, "reduce", 16 * MB, m=2, n_chunks=8, root=0)
+    assert evaluate(net, res.strategy).time == pytest.approx(res.objective, rel=1e-6)
+    ps = evaluate(net, S.aggregator_star(net, "reduce", 0, 16 * MB, n_chunks=8, m=2)).time
+    assert res.objective <= ps * (1 + 1e-9)
+
+
+def test_t6_flow_conservation_is_checked():
+    net = hetero()
+    good = S.ring(net, "reduce", 0, MB)
+    bad = SubCollective(0, MB, MB, {**good.subs[0].routes, 1: [1, 2]}, good.subs[0].aggregate)
+    with pytest.raises(ValueError, match="must run from"):
+        evaluate(net, Strategy("reduce", [bad]))
+    missing = SubCollective(0, MB, MB, {1: [1, 0]}, good.subs[0].aggregate)
+    with pytest.raises(ValueError, match="missing"):
+        evaluate(net, Strategy("reduce", [missing]))
+
+
+def test_t7_bandwidth_sharing_loads():
+    net = make_cluster([1, 1, 1], [100, 100, 100], net_alpha=0.0)
+    routes = {1: [1, 2, 0], 2: [2, 0]}
+    agg = SubCollective(0, MB, MB, routes, frozenset({0, 1, 2}))
+    fwd = SubCollective(0, MB, MB, routes, frozenset({0, 1}))      # node 2 only forwards
+    assert stage_loads(net, Strategy("reduce", [agg]))[(2, 0)] == 1
+    assert stage_loads(net, Strategy("reduce", [fwd]))[(2, 0)] == 2
+    two = stage_loads(net, Strategy("reduce", [agg, agg]))
+    assert two[(2, 0)] == 2                                         # two sub-collectives share
+    one_t = evaluate(net, Strategy("reduce", [agg])).time
+    both_t = evaluate(net, Strategy("reduce", [agg, agg])).time
+    assert both_t == pytest.approx(2 * one_t)                      # each gets half the link
+    bc = SubCollective(0, MB, MB, {1: [0, 2, 1], 2: [0, 2]}, frozenset())
+    assert stage_loads(net, Strategy("broadcast", [bc]))[(0, 2)] == 1   # replicas merge
+
+
+def test_eq2_aggregation_waits_for_slowest_input():
+    net = make_cluster([1, 1, 1], [100, 100, 10], net_alpha=0.0)
+    sub = SubCollective(0, MB, MB, {1: [1, 0], 2: [2, 1, 0]}, frozenset({0, 1, 2}))
+    t = evaluate(net, Strategy("reduce", [sub])).time
+    slow = 8 / 10e9 * MB             # 2 -> 1 at 10 Gbps
+    fast = 8 / 100e9 * MB            # 1 -> 0 at 100 Gbps
+    # h_1 = slow (waits for 2), h_0 = slow + fast; bottleneck of flow 2 = slow; K = 1
+    assert t == pytest.approx(slow + fast + slow)
+
+
+def test_t9_more_bandwidth_never_hurts():
+    net = hetero()
+    strat = S.binary_tree(net, "reduce", 0, 32 * MB, n_chunks=8)
+    base = evaluate(net, strat).time
+    faster = Network(net.names, net.kinds, net.alpha, net.beta * 0.5)
+    assert evaluate(faster, strat).time <= base
+
+
+def test_t9_interior_chunk_optimum_with_latency():
+    net = make_cluster([1, 1, 1, 1], [10, 10, 10, 10], net_alpha=2e-3)
+    times = [evaluate(net, S.ring(net, "reduce", 0, 8 * MB, n_chunks=k)).time
+             for k in (1, 2, 4, 8, 16, 64, 256)]
+    best = int(np.argmin(times))
+    assert 0 < best < len(times) - 1
+
+
+def test_t10_pipelined_allreduce_beats_sequential():
+    net = hetero()
+    strat = S.binary_tree(net, "allreduce", 0, 32 * MB, n_chunks=8)
+    assert evaluate(net, strat).time < sequential_allreduce_time(net, strat)
+
+
+def test_par_trees_routes_valid_and_distinct_roots():
+    net = make_cluster([4, 4, 4], [100, 50, 100])
+    servers = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    strat = S.par_trees(net, "allreduce", 64 * MB, m=3, servers=servers)
+    assert len({s.root for s in strat.subs}) == 3
+    assert evaluate(net, strat).time > 0
+    rooted = S.par_trees(net, "reduce", 64 * MB, m=4, servers=servers, root=5)
+    assert all(s.root == 5 for s in rooted.subs)
+    evaluate(net, rooted)
+
+
+def test_resynthesis_on_profile_change_without_restart():
+    net = make_cluster([1, 1, 1, 1], [100, 100, 100, 100])
+    synth = Synthesizer("reduce", 16 * MB, m=1, root=0, milp_max_nodes=4)
+    assert synth.update_profile(net) is True
+    first = synth.current
+    assert synth.update_profile(net) is False                 # unchanged profile: keep strategy
+    slow = net.beta.copy()
+    slow[1, :] *= 8
+    slow[:, 1] *= 8                                            # GPU 1's links drop to 1/8
+    degraded = Network(net.names, net.kinds, net.alpha, slow)
+    synth.update_profile(degraded)
+    assert synth.current is not first
+    assert synth.current.modeled_time == pytest.approx(evaluate(degraded, synth.current.strategy).time)
+    stale = evaluate(degraded, first.strategy).time
+    assert synth.current.modeled_time <= stale
+
+
+def test_large_graph_uses_heuristic():
+    net = make_cluster([4, 4], [100, 50])
+    synth = Synthesizer("allreduce", 64 * MB, m=2, milp_max_nodes=6)
+    result = synth.synthesize(net)
+    assert result.method in ("par-trees", "ring", "binary-tree", "star")
+    assert result.modeled_time == pytest.approx(evaluate(net, result.strategy).time)
+    partrees = min(evaluate(net, S.par_trees(net, "allreduce", 64 * MB, 2, k)).time
+                   for k in (1, 2, 4, 8, 16, 32))
+    assert result.modeled_time <= partrees
+
+
+def test_bad_network_refused():
+    with pytest.raises(ValueError, match="kinds"):
+        Network(["a"], ["tpu"], np.zeros((1, 1)), np.full((1, 1), np.inf))
+    with pytest.raises(ValueError, match="beta must be"):
+        Network(["a", "b"], ["gpu", "gpu"], np.zeros((2, 2)), np.array([[np.inf, -1], [1, np.inf]]))
+
+
+def test_milp_free_roots_and_time_limit():
+    net = make_cluster([1, 1, 1, 1], [100, 50, 100, 25])
+    res = solve_milp(net, "allreduce", 16 * MB, m=2, n_chunks=4, root=None)
+    assert res.optimal
+    assert evaluate(net, res.strategy).time == pytest.approx(res.objective, rel=1e-6)
+    roots = [s.root for s in res.strategy.subs]
+    assert roots == sorted(roots)                      # symmetry breaking holds
+    single = solve_milp(net, "allreduce", 16 * MB, m=1, n_chunks=4, root=None)
+    # M=2 can always copy the M=1 trees, and here splits the load over two trees
+    assert res.objective <= evaluate(net, S.from_parents(
+        net, "allreduce", [{g: p[1] for g, p in single.strategy.subs[0].routes.items()}] * 2,
+        [single.strategy.subs[0].root] * 2, 16 * MB, 4)).time + 1e-12
+    limited = solve_milp(net, "allreduce", 16 * MB, m=2, n_chunks=4, root=None, time_limit=0.05)
+    if limited is not None:                            # a feasible incumbent is still valid
+        evaluate(net, limited.strategy)
