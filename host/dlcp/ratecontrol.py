@@ -1,0 +1,69 @@
+"""DLCP minimal rate control (notes/dlcp.md §2.4), as a pure state machine.
+
+The receiver reports its measured receive rate every period (200 us by default); the
+sender compares it with its own send rate over the same stretch:
+
+* LINE_RATE_START: rate = link bandwidth. The first report with send > delta*recv halves
+  the rate and enters CONG_AVOID.
+* CONG_AVOID: send > delta*recv -> halve; otherwise add ai_fraction*link (capped at link).
+* A retransmission round (the sender re-enters sending after RETX_REQ) resets to
+  LINE_RATE_START at line rate.
+
+"Congested" is send > delta*recv in both states: the paper's CONG_AVOID sentence reads the
+other way round, which the digest identifies as a typo. The cap at line rate and the floor
+(min_fraction of the link, so a burst of empty reports cannot stall a sender forever) are
+our choices; the paper states neither.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+REPORT_PERIOD_S = 200e-6
+DELTA = 2.0
+AI_FRACTION = 0.05
+
+
+class RateState(Enum):
+    LINE_RATE_START = "line_rate_start"
+    CONG_AVOID = "cong_avoid"
+
+
+@dataclass
+class RateController:
+    link_bps: float
+    delta: float = DELTA
+    ai_fraction: float = AI_FRACTION
+    min_fraction: float = 0.01
+    state: RateState = field(default=RateState.LINE_RATE_START, init=False)
+    rate_bps: float = field(default=0.0, init=False)
+    halvings: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.link_bps > 0:
+            raise ValueError(f"RateController: link_bps must be > 0, got {self.link_bps}")
+        if not self.delta >= 1:
+            raise ValueError(f"RateController: delta must be >= 1, got {self.delta}")
+        if not 0 < self.ai_fraction <= 1:
+            raise ValueError(f"RateController: ai_fraction must be in (0, 1], got {self.ai_fraction}")
+        if not 0 < self.min_fraction <= 1:
+            raise ValueError(f"RateController: min_fraction must be in (0, 1], got {self.min_fraction}")
+        self.rate_bps = float(self.link_bps)
+
+    def congested(self, send_bps: float, recv_bps: float) -> bool:
+        return send_bps > self.delta * recv_bps
+
+    def on_report(self, send_bps: float, recv_bps: float) -> float:
+        """Apply one receiver rate report; returns the new sending rate."""
+        if self.congested(send_bps, recv_bps):
+            self.rate_bps = max(self.rate_bps / 2, self.min_fraction * self.link_bps)
+            self.state = RateState.CONG_AVOID
+            self.halvings += 1
+        elif self.state is RateState.CONG_AVOID:
+            self.rate_bps = min(self.rate_bps + self.ai_fraction * self.link_bps, self.link_bps)
+        return self.rate_bps
+
+    def on_retransmission(self) -> float:
+        self.state = RateState.LINE_RATE_START
+        self.rate_bps = float(self.link_bps)
+        return self.rate_bps

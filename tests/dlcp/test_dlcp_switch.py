@@ -1,0 +1,103 @@
+"""DLCP-marked traffic through the reference switch (dataplane.reference) with a slow port.
+
+The marks come from DlcpPolicy and the datagrams from the transport's encoder; the
+frames the switch lets through are then delivered to a real DlcpReceiver over UDP with
+their (possibly CE-marked) ToS byte, so the whole host-switch-host path is checked.
+"""
+import socket
+import time
+
+import numpy as np
+import pytest
+
+reference = pytest.importorskip("dataplane.reference", reason="reference switch not available")
+from dataplane.config import Dlcp, Route, SwitchConfig, default_thresholds  # noqa: E402
+from host.dlcp.marking import ECN_CE, ECN_ECT0, ECN_NOT_ECT, DlcpPolicy, layer_band  # noqa: E402
+from host.dlcp.transport import (encode_segments,  # noqa: E402
+                                 segment_count)
+from host.packets import wrap_frames  # noqa: E402
+
+from .conftest import RawSender  # noqa: E402
+
+VPS = 50
+NUM_LAYERS = 7
+
+
+def layer_frames(layer, values, tensor_id):
+    n = segment_count(values.size, VPS)
+    dscp, ecn = DlcpPolicy(sample_fraction=1.0)(layer=layer, num_layers=NUM_LAYERS, values=values,
+                                                values_per_packet=VPS, num_packets=n)
+    rows = encode_segments(tensor_id, values, VPS)
+    frames = wrap_frames(rows, np.full(n, rows.shape[1]), src_mac="02:00:00:00:00:01",
+                         dst_mac="02:00:00:00:00:fe", src_ip="10.0.0.1", dst_ip="10.0.1.2",
+                         sport=40000, dport=40001, tos=(dscp.astype(np.int64) << 2) | ecn)
+    return frames, ecn
+
+
+def make_switch():
+    cfg = SwitchConfig(routes=(Route("10.0.1.0/24", 1, "02:00:00:00:01:02"),),
+                       dlcp=Dlcp(thresholds=default_thresholds(8, 0.5), capacity=64))
+    return reference.ReferenceSwitch(cfg, port_rates={1: 0})       # port 1 paused
+
+
+def test_marked_traffic_through_reference_switch_then_real_receiver(receiver):
+    rng = np.random.default_rng(0)
+    switch = make_switch()
+    sent, tensors = {}, {}
+    for layer in range(NUM_LAYERS):       # one layer per band; back layers first (backprop)
+        lay = NUM_LAYERS - 1 - layer
+        scale = np.repeat(rng.choice([0.01, 1.0], size=40), VPS)      # half tiny packets
+        values = (rng.standard_normal(40 * VPS) * scale).astype(np.float32)
+        frames, ecn = layer_frames(lay, values, 1000 + lay)
+        tensors[lay] = values
+        sent[lay] = ecn
+        for f in frames:
+            assert switch.process(0, f, now=0.0) == []                 # paused: all queued
+    out = [f for _, f in switch.drain([1])]
+    # strict priority: all of band b leaves before any of band b+1
+    bands = [(f[15] >> 2) - 32 for f in out]
+    assert bands == sorted(bands) and set(bands) == set(range(7))
+    k = default_thresholds(8, 0.5)
+    g = switch.counters()["global"]
+    for lay in range(NUM_LAYERS):
+        band = layer_band(lay, NUM_LAYERS)
+        got = [f for f in out if (f[15] >> 2) - 32 == band]
+        kept_ecn = [f[15] & 3 for f in got]
+        limit = k[6 - band] + 1                  # occupancy > K admits only ECT
+        ect_sent = int((sent[lay] == ECN_ECT0).sum())
+        # below the threshold everything is kept unmarked, above it only ECT (as CE)
+        assert len(got) == limit + (ect_sent - int((sent[lay][:limit] == ECN_ECT0).sum()))
+        assert all(e != ECN_CE for e in kept_ecn[:limit])
+        assert all(e == ECN_CE for e in kept_ecn[limit:])
+        assert ECN_NOT_ECT not in kept_ecn[limit:]
+    assert g["dlcp_selective_drop"] == sum(int((sent[lay][k[6 - layer_band(lay, 7)] + 1:] == 0).sum())
+                                           for lay in range(7))
+    assert g["dlcp_buffer_drop"] == 0
+    # front layers (low threshold) lose unimportant packets first
+    drops = [int((sent[lay] == 0).sum()) - sum(1 for f in out if (f[15] >> 2) - 32 == lay and f[15] & 3 == 0)
+             for lay in range(7)]
+    assert drops[0] >= drops[-1]
+
+    # hand what survived to a real receiver: only important packets of the tail arrive
+    raw = RawSender(receiver, vps=VPS)
+    for lay in range(NUM_LAYERS):
+        raw.start(1000 + lay, tensors[lay].size, 0.0)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for f in out:
+        payload = f[42:]
+        udp.sendmsg([payload], [(socket.IPPROTO_IP, socket.IP_TOS, bytes([f[15]]))], 0, receiver.udp_addr)
+    raw.settle(until_udp=len(out))
+    assert sum(v for tos, v in receiver.tos_counts.items() if tos & 3 == ECN_CE) == \
+        sum(1 for f in out if f[15] & 3 == ECN_CE)
+    for lay in range(NUM_LAYERS):
+        raw.stop(1000 + lay)
+    time.sleep(0.1)
+    for lay in range(NUM_LAYERS):
+        raw.fin_confirm(1000 + lay)
+        res = receiver.wait(1000 + lay, 5)
+        lost = ~res.received
+        assert (sent[lay][lost] == ECN_NOT_ECT).all()           # no important packet lost
+        got = np.repeat(res.received, VPS)
+        assert np.array_equal(res.values[got], tensors[lay][got])
+    udp.close()
+    raw.close()

@@ -1,0 +1,315 @@
+"""H4-H9, H11, H12 and the missing-segment policy, on real UDP/TCP sockets on loopback."""
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from host.dlcp.marking import DlcpPolicy
+from host.dlcp.relay import LossyRelay, random_loss
+from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, DlcpError, DlcpReceiver, DlcpSender,
+                                 LossBounds, apply_missing_policy, encode_segments, fin_threshold,
+                                 segment_bounds, send_order)
+
+from .conftest import fin_count, retx_segments
+
+RNG = np.random.default_rng(7)
+
+
+def grad(n, seed=0):
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+# --- H4: segmentation ---------------------------------------------------------------
+@pytest.mark.parametrize("n,vps", [(1, 350), (349, 350), (350, 350), (351, 350), (10_001, 7)])
+def test_h4_segments_cover_tensor_exactly_once(n, vps):
+    b = segment_bounds(n, vps)
+    cover = np.zeros(n, np.int64)
+    for off, length in b:
+        assert 1 <= length <= vps
+        cover[off:off + length] += 1
+    assert (cover == 1).all()
+    x = grad(n)
+    rows = encode_segments(5, x, vps)
+    back = np.concatenate([np.frombuffer(rows[k, DATA_HEADER_LEN:DATA_HEADER_LEN + 4 * length].tobytes(), ">f4")
+                           for k, (_, length) in enumerate(b)])
+    assert np.array_equal(back.astype(np.float32), x)     # whole values, nothing split
+
+
+# --- H5: order independence -----------------------------------------------------------
+def test_h5_any_permutation_gives_identical_buffer(receiver, raw_sender):
+    x = grad(205, 1)
+    grams = raw_sender.datagrams(11, x)
+    buffers = []
+    for trial in range(3):
+        tid = 100 + trial
+        grams = raw_sender.datagrams(tid, x)
+        raw_sender.start(tid, x.size, p=0.0)
+        order = np.random.default_rng(trial).permutation(len(grams)) if trial else np.arange(len(grams))
+        base = receiver.data_packets
+        for k in order:
+            raw_sender.send(grams[k])
+        raw_sender.settle(until_udp=base + len(grams))
+        assert fin_count(raw_sender.messages()) == [len(grams)]
+        raw_sender.fin_confirm(tid)
+        res = receiver.wait(tid, 5)
+        buffers.append(res.values.tobytes())
+    assert buffers[0] == buffers[1] == buffers[2]
+    assert np.array_equal(np.frombuffer(buffers[0], np.float32), x)
+
+
+# --- H6: FIN at the first arrival meeting the bound ----------------------------------
+@pytest.mark.parametrize("p,n_values", [(0.1, 200), (0.0, 200), (0.25, 95)])
+def test_h6_fin_exactly_at_bound(receiver, raw_sender, p, n_values):
+    x = grad(n_values, 2)
+    grams = raw_sender.datagrams(21, x)
+    need = fin_threshold(len(grams), p)
+    assert need == int(np.ceil(round((1 - p) * len(grams), 9)))
+    raw_sender.start(21, x.size, p)
+    for k in range(need - 1):
+        raw_sender.send(grams[k])
+    raw_sender.send(grams[0])                 # a duplicate must not count
+    raw_sender.settle(until_udp=need)
+    assert fin_count(raw_sender.messages(0.05)) == []
+    raw_sender.send(grams[need - 1])
+    raw_sender.settle(until_udp=need + 1)
+    assert fin_count(raw_sender.messages()) == [need]
+    raw_sender.fin_confirm(21)
+    res = receiver.wait(21, 5)
+    assert res.received_at_fin == need and res.duplicates == 1
+    assert res.delivered_fraction >= 1 - p
+
+
+def test_fin_thresholds():
+    assert [fin_threshold(10, p) for p in (0, 0.1, 0.15, 0.3, 0.99)] == [10, 9, 9, 7, 1]
+
+
+# --- H7: retransmission only when needed, exactly the missing ------------------------
+def test_h7_stop_requests_exactly_the_missing_segments(receiver, raw_sender):
+    x = grad(300, 3)
+    grams = raw_sender.datagrams(31, x)          # 30 segments, p = 0.1 -> need 27
+    raw_sender.start(31, x.size, 0.1)
+    lost = {2, 5, 11, 17, 29}        # 25 of 30 arrive
+    for k in range(len(grams)):
+        if k not in lost:
+            raw_sender.send(grams[k])
+    raw_sender.settle(until_udp=len(grams) - len(lost))
+    raw_sender.stop(31)
+    msgs = raw_sender.messages()
+    assert fin_count(msgs) == [] and retx_segments(msgs) == [sorted(lost)]
+    raw_sender.send(grams[2])                    # 25 -> 26: still short
+    raw_sender.settle(until_udp=len(grams) - len(lost) + 1)
+    assert raw_sender.messages(0.05) == []
+    raw_sender.send(grams[29])                   # 27 = ceil(0.9 * 30): FIN
+    assert fin_count(raw_sender.messages()) == [27]
+    raw_sender.fin_confirm(31)
+    assert receiver.wait(31, 5).retx_requests == 1
+
+
+def test_h7_loss_below_bound_never_retransmits(receiver):
+    x = grad(35_000, 4)                          # 100 segments
+    with LossyRelay(receiver.udp_addr, random_loss(0.03, seed=1)) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.1)) as s:
+        for it in range(3):
+            st = s.send_tensor(40 + it, x, iteration=it)
+            res = receiver.wait(40 + it, 10)
+            assert st.retx_requests == 0 and st.retransmitted == 0 and (st.sends <= 1).all()
+            assert res.delivered_fraction >= 0.9
+        assert relay.dropped                     # the relay really lost packets
+
+
+def test_h7_loss_above_bound_recovers_via_stop_retx(receiver):
+    x = grad(35_000, 5)
+    with LossyRelay(receiver.udp_addr, random_loss(0.3, seed=2, first_only=True)) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.05)) as s:
+        st = s.send_tensor(50, x)
+        res = receiver.wait(50, 10)
+    dropped = {off // 350 for tid, off, flags in relay.dropped if tid == 50}
+    assert len(dropped) > 10 and st.stops >= 1 and st.retx_requests >= 1
+    requested = set(st.retx_lists[0])
+    assert dropped <= requested                  # every lost segment is asked for ...
+    assert requested <= set(np.flatnonzero(st.sends >= 1))
+    assert set(np.flatnonzero(st.sends > 1)) <= requested   # ... and only requested ones resent
+    assert res.delivered_fraction >= 0.9 and res.received_at_fin >= 90
+
+
+# --- H8: no timer-driven retransmission -------------------------------------------------
+def test_h8_silent_receiver_gets_each_segment_once_then_timeout():
+    """A receiver that never answers: the sender must not resend anything on a timer."""
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    sink.settimeout(0.2)
+    listener = socket.create_server(("127.0.0.1", 0))
+    conns = []
+    threading.Thread(target=lambda: conns.append(listener.accept()), daemon=True).start()
+    x = grad(3500, 6)
+    with DlcpSender(sink.getsockname(), listener.getsockname(), link_bps=None, timeout_s=0.6) as s:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no FIN/RETX_REQ"):
+            s.send_tensor(60, x)
+        assert time.monotonic() - t0 >= 0.55
+    got = []
+    try:
+        while True:
+            got.append(sink.recv(65536))
+    except socket.timeout:
+        pass
+    marks = [g for g in got if g[14] & FLAG_END_MARK]
+    assert len(marks) == 1 and len(marks[0]) == DATA_HEADER_LEN      # the round's end marker
+    got = [g for g in got if not g[14] & FLAG_END_MARK]
+    segs = sorted(int.from_bytes(g[4:8], "big") // 350 for g in got)
+    assert segs == list(range(10))               # every segment exactly once, no RETX flag
+    assert all(g[14] & FLAG_RETX == 0 for g in got)
+    sink.close(), listener.close(), [c.close() for c, _ in conns]
+
+
+def test_h8_retransmissions_match_requests(receiver):
+    x = grad(70_000, 7)
+    with LossyRelay(receiver.udp_addr, random_loss(0.4, seed=3)) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.05, 0.0)) as s:
+        st = s.send_tensor(70, x)
+        receiver.wait(70, 10)
+    assert st.retx_requests == len(st.retx_lists) == st.stops - (st.stops - st.retx_requests)
+    # a segment is sent at most once per round: first round + one per RETX_REQ naming it
+    named = np.zeros(st.num_segments, np.int64)
+    for lst in st.retx_lists:
+        named[lst] += 1
+    assert (st.sends <= 1 + named).all()
+
+
+# --- H9: zero-RTT, data before START dropped and counted -------------------------------
+def test_h9_data_before_start_dropped_and_counted(receiver, raw_sender):
+    x = grad(100, 8)
+    grams = raw_sender.datagrams(90, x)           # 10 segments
+    for k in range(4):
+        raw_sender.send(grams[k])
+    raw_sender.settle(until_udp=4)
+    assert receiver.early_drops == 4
+    raw_sender.start(90, x.size, 0.0)
+    for k in range(4, 10):
+        raw_sender.send(grams[k])
+    raw_sender.settle(until_udp=10)
+    raw_sender.stop(90)
+    assert retx_segments(raw_sender.messages()) == [[0, 1, 2, 3]]
+
+
+def test_h9_zero_rtt_sender_start_after_data(receiver):
+    x = grad(35_000, 9)
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=1e8, start_delay_s=0.005,
+                    bounds=LossBounds(0.0, 0.0)) as s:
+        st = s.send_tensor(91, x)
+        res = receiver.wait(91, 10)
+    assert receiver.early_drops > 0
+    assert st.retx_requests >= 1 and res.received.all()
+    assert np.array_equal(res.values, x)
+
+
+# --- H11: push/pull bounds ---------------------------------------------------------------
+def test_h11_pull_bound_not_looser_than_push(receiver):
+    with pytest.raises(ValueError, match="p_pull=0.2 > p_push=0.1"):
+        LossBounds(p_push=0.1, p_pull=0.2)
+    bounds = LossBounds(p_push=0.3, p_pull=0.05)
+    x = grad(35_000, 10)
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=None, bounds=bounds) as s:
+        s.send_tensor(110, x, stage="push")
+        s.send_tensor(111, x, stage="pull")
+    push, pull = receiver.wait(110, 10), receiver.wait(111, 10)
+    assert (push.stage, push.p, push.need) == ("push", 0.3, 70)
+    assert (pull.stage, pull.p, pull.need) == ("pull", 0.05, 95)
+
+
+# --- H12: send order changes per iteration -------------------------------------------------
+def test_h12_send_order_seeded_and_varies_per_iteration():
+    orders = [send_order(100, seed=1, tensor_id=3, iteration=i) for i in range(5)]
+    for o in orders:
+        assert sorted(o) == list(range(100))
+    assert len({tuple(o[-10:]) for o in orders}) == 5            # different tails cut
+    assert np.array_equal(orders[0], send_order(100, seed=1, tensor_id=3, iteration=0))
+    rot = [send_order(10, 0, 0, i, "rotate") for i in range(3)]
+    assert len({tuple(r) for r in rot}) == 3
+    with pytest.raises(ValueError, match="segment order"):
+        send_order(10, 0, 0, 0, "backwards")
+
+
+def test_h12_fin_cut_segments_differ_across_iterations(receiver):
+    x = grad(35_000, 11)
+    missing = []
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=5e7,
+                    bounds=LossBounds(0.3, 0.3)) as s:
+        for it in range(2):
+            s.send_tensor(120 + it, x, iteration=it)
+            missing.append(frozenset(np.flatnonzero(~receiver.wait(120 + it, 10).received)))
+    assert missing[0] != missing[1] or not missing[0]
+
+
+# --- marks on the wire, missing policy, bad input -----------------------------------------
+def test_retransmissions_are_sent_ect(receiver):
+    x = grad(35_000, 14) * 1e-3
+    x[350 * 10:] *= 1e3                            # 10 unimportant segments, lost first time
+    lost_once = lambda tid, off, length, seq, flags: off < 3500 and not flags & FLAG_RETX
+    with LossyRelay(receiver.udp_addr, lost_once) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=None, policy=DlcpPolicy(),
+                       bounds=LossBounds(0.0, 0.0)) as s:
+        st = s.send_tensor(160, x)
+        res = receiver.wait(160, 10)
+    assert res.received.all() and set(range(10)) <= set(st.retx_lists[0])
+    assert (st.tos[:10] & 3 == 0).all()             # marked Not-ECT ...
+    # the relay keeps the ToS: Not-ECT arrivals are only the other segments' first sends
+    assert receiver.tos_counts.get(32 << 2, 0) == int((st.tos[10:] & 3 == 0).sum())
+    not_ect = int((st.tos[10:] & 3 == 0).sum())
+    assert receiver.tos_counts.get(32 << 2 | 2, 0) == int(st.sends.sum()) - 10 - not_ect
+def test_marks_reach_the_receiver_in_the_tos_byte(receiver):
+    x = grad(35_000, 12)
+    x[:350 * 30] *= 1e-3                              # 30 unimportant segments
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=None, policy=DlcpPolicy(),
+                    bounds=LossBounds(0.0, 0.0), retx_important=False) as s:
+        st = s.send_tensor(130, x, layer=9, num_layers=10)
+        receiver.wait(130, 10)
+    band6 = 38 << 2
+    assert (st.tos[:30] == band6).all() and (st.tos[30:] == band6 | 0b10).all()
+    # every datagram arrives with the ToS it was sent with (a zero-RTT resend counts twice)
+    assert receiver.tos_counts == {band6 | 0b10: int(st.sends[30:].sum()), band6: int(st.sends[:30].sum())}
+
+
+def test_missing_policy_zero_and_own():
+    vals = np.arange(10, dtype=np.float32) + 1
+    received = np.array([True, False, True, False])
+    zero = apply_missing_policy(np.where(np.repeat(received, 3)[:10], vals, 0), received, 3, "zero", None)
+    assert zero.tolist() == [1, 2, 3, 0, 0, 0, 7, 8, 9, 0]
+    own = -np.ones(10, np.float32)
+    filled = apply_missing_policy(zero.copy(), received, 3, "own", own)
+    assert filled.tolist() == [1, 2, 3, -1, -1, -1, 7, 8, 9, -1]
+    with pytest.raises(ValueError, match="needs the receiver's own"):
+        apply_missing_policy(zero.copy(), received, 3, "own", None)
+
+
+def test_own_policy_end_to_end():
+    x = grad(3500, 13)
+    own = np.full(3500, 9.0, np.float32)
+    with DlcpReceiver(missing_policy="own") as r:
+        r.set_own(140, own)
+        with LossyRelay(r.udp_addr, random_loss(0.2, seed=4)) as relay, \
+                DlcpSender(relay.addr, r.tcp_addr, link_bps=None, bounds=LossBounds(0.5, 0.5)) as s:
+            s.send_tensor(140, x)
+            res = r.wait(140, 10)
+    got = np.repeat(res.received, 350)
+    assert not res.received.all()
+    assert np.array_equal(res.values[got], x[got]) and (res.values[~got] == 9.0).all()
+
+
+def test_bad_input_refused_and_counted(receiver, raw_sender):
+    with pytest.raises(ValueError, match="NaN"):
+        DlcpSender(receiver.udp_addr, receiver.tcp_addr).send_tensor(1, np.array([1.0, np.nan]))
+    with pytest.raises(ValueError, match="missing_policy"):
+        DlcpReceiver(missing_policy="average")
+    raw_sender.start(150, 100, 0.0)
+    raw_sender.send(b"\x00" * 7)                                  # too short
+    good = raw_sender.datagrams(150, grad(100))
+    raw_sender.send(good[0][:-4])                                 # length field disagrees
+    time.sleep(0.1)
+    assert receiver.malformed == 2
+    small = DlcpReceiver(max_values=1000)
+    with small, DlcpSender(small.udp_addr, small.tcp_addr) as s:
+        with pytest.raises(DlcpError, match="raise max_values"):
+            s.send_tensor(151, grad(5000))
