@@ -49,6 +49,31 @@ enum {
 
 /* ---- lane kernels ------------------------------------------------------- */
 
+/* A slot keeps its sums split by nibble (agg_core.h, struct agg_copy): packed
+ * byte j holds values 2j (high nibble) and 2j+1 (low nibble), which add into
+ * sums[j] and sums[AGG_SUMS_ODD + j]. A table lookup of 32 high or 32 low
+ * nibbles is then already 32 consecutive lanes: no shuffling back into value
+ * order per contribution, only once per result (agg_sums_to_values). */
+
+static inline void add_pair_scalar(uint8_t *sums, const uint8_t *packed, uint32_t j,
+				   const uint8_t *table, int store)
+{
+	uint8_t b = packed[j];
+	uint8_t *even = sums + j, *odd = sums + AGG_SUMS_ODD + j;
+	*even = (uint8_t)((store ? 0 : *even) + table[b >> 4]);
+	*odd = (uint8_t)((store ? 0 : *odd) + table[b & 0x0f]);
+}
+
+/* The last byte of an odd num_values: its low nibble is padding, not a value. */
+static inline void add_last_even(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+				 const uint8_t *table, int store)
+{
+	if (num_values & 1) {
+		uint32_t j = num_values / 2;
+		sums[j] = (uint8_t)((store ? 0 : sums[j]) + table[packed[j] >> 4]);
+	}
+}
+
 /* Byte-wise add of 8 lanes without carries between them (each lane mod 256). */
 static inline uint64_t add_bytes_swar(uint64_t x, uint64_t y)
 {
@@ -56,102 +81,122 @@ static inline uint64_t add_bytes_swar(uint64_t x, uint64_t y)
 	return ((x & ~high) + (y & ~high)) ^ ((x ^ y) & high);
 }
 
-static inline uint8_t table_value(const uint8_t *packed, uint32_t i, const uint8_t *table)
+static inline void add_word_swar(uint8_t *lanes, uint64_t add)
 {
-	uint8_t b = packed[i >> 1];
-	return table[(i & 1) ? (b & 0x0f) : (b >> 4)];
+	uint64_t acc;
+	memcpy(&acc, lanes, 8);
+	acc = add_bytes_swar(acc, add);
+	memcpy(lanes, &acc, 8);
 }
 
-/* The portable kernel: one 256-entry lookup per packed byte gives two lanes,
- * four lookups fill a 64-bit word of eight lanes added with SWAR. */
+/* The portable kernel: one 256-entry lookup per packed byte gives both lanes;
+ * eight lookups fill a 64-bit word of even and one of odd lanes, added with SWAR. */
 void agg_add_lanes_lut(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		       const uint16_t *pair_lut, const uint8_t *table)
 {
-	uint32_t i = 0;
-	for (; i + 8 <= num_values; i += 8) {
-		const uint8_t *p = packed + i / 2;
-		uint64_t add = (uint64_t)pair_lut[p[0]] | (uint64_t)pair_lut[p[1]] << 16 |
-			       (uint64_t)pair_lut[p[2]] << 32 | (uint64_t)pair_lut[p[3]] << 48;
-		uint64_t acc;
-		memcpy(&acc, sums + i, 8);
-		acc = add_bytes_swar(acc, add);
-		memcpy(sums + i, &acc, 8);
+	uint32_t pairs = num_values / 2, j = 0;
+	for (; j + 8 <= pairs; j += 8) {
+		uint64_t even = 0, odd = 0;
+		for (uint32_t k = 0; k < 8; k++) {
+			uint16_t v = pair_lut[packed[j + k]];
+			even |= (uint64_t)(v & 0xff) << (8 * k);
+			odd |= (uint64_t)(v >> 8) << (8 * k);
+		}
+		add_word_swar(sums + j, even);
+		add_word_swar(sums + AGG_SUMS_ODD + j, odd);
 	}
-	for (; i < num_values; i++)
-		sums[i] = (uint8_t)(sums[i] + table_value(packed, i, table));
+	for (; j < pairs; j++) {
+		uint16_t v = pair_lut[packed[j]];
+		sums[j] = (uint8_t)(sums[j] + (v & 0xff));
+		sums[AGG_SUMS_ODD + j] = (uint8_t)(sums[AGG_SUMS_ODD + j] + (v >> 8));
+	}
+	add_last_even(sums, packed, num_values, table, 0);
+}
+
+#ifndef __SSSE3__
+static void lanes_scalar(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+			 const uint8_t *table, int store)
+{
+	for (uint32_t j = 0; j < num_values / 2; j++)
+		add_pair_scalar(sums, packed, j, table, store);
+	add_last_even(sums, packed, num_values, table, store);
+}
+#endif
+
+static void sums_to_values_scalar(uint8_t *out, const uint8_t *sums, uint32_t num_values)
+{
+	for (uint32_t j = 0; j < num_values / 2; j++) {
+		out[2 * j] = sums[j];
+		out[2 * j + 1] = sums[AGG_SUMS_ODD + j];
+	}
+	if (num_values & 1)
+		out[num_values - 1] = sums[num_values / 2];
 }
 
 #ifdef __SSSE3__
 /* 32 lanes per step: pshufb looks the 16-entry table up for 16 high and 16 low
- * nibbles at once, unpack interleaves them back into value order, paddb wraps
- * each lane mod 256 exactly like the scalar kernel. */
+ * nibbles at once; paddb wraps each lane mod 256 like the scalar kernel. */
 static inline __attribute__((always_inline))
 void lanes_ssse3(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		 const uint8_t *table, const int store)
 {
 	const __m128i t = _mm_loadu_si128((const __m128i *)table);
 	const __m128i nibble = _mm_set1_epi8(0x0f);
-	uint32_t i = 0;
-	for (; i + 32 <= num_values; i += 32) {
-		__m128i b = _mm_loadu_si128((const __m128i *)(packed + i / 2));
+	uint32_t pairs = num_values / 2, j = 0;
+	for (; j + 16 <= pairs; j += 16) {
+		__m128i b = _mm_loadu_si128((const __m128i *)(packed + j));
 		__m128i hi = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
 		__m128i lo = _mm_shuffle_epi8(t, _mm_and_si128(b, nibble));
-		__m128i v0 = _mm_unpacklo_epi8(hi, lo);
-		__m128i v1 = _mm_unpackhi_epi8(hi, lo);
-		__m128i *s = (__m128i *)(sums + i);
+		__m128i *even = (__m128i *)(sums + j), *odd = (__m128i *)(sums + AGG_SUMS_ODD + j);
 		if (!store) {
-			v0 = _mm_add_epi8(_mm_loadu_si128(s), v0);
-			v1 = _mm_add_epi8(_mm_loadu_si128(s + 1), v1);
+			hi = _mm_add_epi8(_mm_loadu_si128(even), hi);
+			lo = _mm_add_epi8(_mm_loadu_si128(odd), lo);
 		}
-		_mm_storeu_si128(s, v0);
-		_mm_storeu_si128(s + 1, v1);
+		_mm_storeu_si128(even, hi);
+		_mm_storeu_si128(odd, lo);
 	}
-	for (; i < num_values; i++)
-		sums[i] = (uint8_t)((store ? 0 : sums[i]) + table_value(packed, i, table));
+	for (; j < pairs; j++)
+		add_pair_scalar(sums, packed, j, table, store);
+	add_last_even(sums, packed, num_values, table, store);
 }
 
-static void add_lanes_ssse3(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
-			    const uint8_t *table)
+static void sums_to_values_ssse3(uint8_t *out, const uint8_t *sums, uint32_t num_values)
 {
-	lanes_ssse3(sums, packed, num_values, table, 0);
-}
-
-static void store_lanes_ssse3(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
-			      const uint8_t *table)
-{
-	lanes_ssse3(sums, packed, num_values, table, 1);
+	uint32_t pairs = num_values / 2, j = 0;
+	for (; j + 16 <= pairs; j += 16) {
+		__m128i e = _mm_loadu_si128((const __m128i *)(sums + j));
+		__m128i o = _mm_loadu_si128((const __m128i *)(sums + AGG_SUMS_ODD + j));
+		_mm_storeu_si128((__m128i *)(out + 2 * j), _mm_unpacklo_epi8(e, o));
+		_mm_storeu_si128((__m128i *)(out + 2 * j + 16), _mm_unpackhi_epi8(e, o));
+	}
+	sums_to_values_scalar(out + 2 * j, sums + j, num_values - 2 * j);
 }
 #endif
 
 #if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-/* The same steps on 64 lanes (AVX2), chosen at run time where the CPU has it.
- * unpack works per 128-bit half, so the two halves are reordered with permute. */
+/* The same steps on 64 lanes (AVX2), chosen at run time where the CPU has it. */
 __attribute__((target("avx2"), always_inline))
 static inline void lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 			      const uint8_t *table, const int store)
 {
 	const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
 	const __m256i nibble = _mm256_set1_epi8(0x0f);
-	uint32_t i = 0;
-	for (; i + 64 <= num_values; i += 64) {
-		__m256i b = _mm256_loadu_si256((const __m256i *)(packed + i / 2));
+	uint32_t pairs = num_values / 2, j = 0;
+	for (; j + 32 <= pairs; j += 32) {
+		__m256i b = _mm256_loadu_si256((const __m256i *)(packed + j));
 		__m256i hi = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble));
 		__m256i lo = _mm256_shuffle_epi8(t, _mm256_and_si256(b, nibble));
-		__m256i a = _mm256_unpacklo_epi8(hi, lo);   /* values 0-15 | 32-47 */
-		__m256i c = _mm256_unpackhi_epi8(hi, lo);   /* values 16-31 | 48-63 */
-		__m256i v0 = _mm256_permute2x128_si256(a, c, 0x20);
-		__m256i v1 = _mm256_permute2x128_si256(a, c, 0x31);
-		__m256i *s = (__m256i *)(sums + i);
+		__m256i *even = (__m256i *)(sums + j), *odd = (__m256i *)(sums + AGG_SUMS_ODD + j);
 		if (!store) {
-			v0 = _mm256_add_epi8(_mm256_loadu_si256(s), v0);
-			v1 = _mm256_add_epi8(_mm256_loadu_si256(s + 1), v1);
+			hi = _mm256_add_epi8(_mm256_loadu_si256(even), hi);
+			lo = _mm256_add_epi8(_mm256_loadu_si256(odd), lo);
 		}
-		_mm256_storeu_si256(s, v0);
-		_mm256_storeu_si256(s + 1, v1);
+		_mm256_storeu_si256(even, hi);
+		_mm256_storeu_si256(odd, lo);
 	}
-	if (i < num_values)
-		lanes_ssse3(sums + i, packed + i / 2, num_values - i, table, store);
+	if (j < pairs || (num_values & 1))
+		lanes_ssse3(sums + j, packed + j, num_values - 2 * j, table, store);
 }
 
 __attribute__((target("avx2")))
@@ -168,14 +213,83 @@ static void store_lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num_
 	lanes_avx2(sums, packed, num_values, table, 1);
 }
 
-static int cpu_has_avx2(void)
+/* unpack works per 128-bit half, so the two halves are put back in order. */
+__attribute__((target("avx2")))
+static void sums_to_values_avx2(uint8_t *out, const uint8_t *sums, uint32_t num_values)
 {
-	static int has = -1;
-	if (has < 0) {
-		__builtin_cpu_init();
-		has = __builtin_cpu_supports("avx2") ? 1 : 0;
+	uint32_t pairs = num_values / 2, j = 0;
+	for (; j + 32 <= pairs; j += 32) {
+		__m256i e = _mm256_loadu_si256((const __m256i *)(sums + j));
+		__m256i o = _mm256_loadu_si256((const __m256i *)(sums + AGG_SUMS_ODD + j));
+		__m256i a = _mm256_unpacklo_epi8(e, o);   /* values 0-15 | 32-47 */
+		__m256i c = _mm256_unpackhi_epi8(e, o);   /* values 16-31 | 48-63 */
+		_mm256_storeu_si256((__m256i *)(out + 2 * j), _mm256_permute2x128_si256(a, c, 0x20));
+		_mm256_storeu_si256((__m256i *)(out + 2 * j + 32), _mm256_permute2x128_si256(a, c, 0x31));
 	}
-	return has;
+	sums_to_values_ssse3(out + 2 * j, sums + j, num_values - 2 * j);
+}
+
+/* 128 lanes per step where the CPU has AVX-512BW. */
+__attribute__((target("avx512bw,avx2"), always_inline))
+static inline void lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+				const uint8_t *table, const int store)
+{
+	const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
+	const __m512i nibble = _mm512_set1_epi8(0x0f);
+	uint32_t pairs = num_values / 2, j = 0;
+	for (; j + 64 <= pairs; j += 64) {
+		__m512i b = _mm512_loadu_si512((const void *)(packed + j));
+		__m512i hi = _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble));
+		__m512i lo = _mm512_shuffle_epi8(t, _mm512_and_si512(b, nibble));
+		uint8_t *even = sums + j, *odd = sums + AGG_SUMS_ODD + j;
+		if (!store) {
+			hi = _mm512_add_epi8(_mm512_loadu_si512((const void *)even), hi);
+			lo = _mm512_add_epi8(_mm512_loadu_si512((const void *)odd), lo);
+		}
+		_mm512_storeu_si512((void *)even, hi);
+		_mm512_storeu_si512((void *)odd, lo);
+	}
+	if (j < pairs || (num_values & 1))
+		lanes_avx2(sums + j, packed + j, num_values - 2 * j, table, store);
+}
+
+__attribute__((target("avx512bw,avx2")))
+static void add_lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+			     const uint8_t *table)
+{
+	lanes_avx512(sums, packed, num_values, table, 0);
+}
+
+__attribute__((target("avx512bw,avx2")))
+static void store_lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+			       const uint8_t *table)
+{
+	lanes_avx512(sums, packed, num_values, table, 1);
+}
+
+enum simd_level { SIMD_SSSE3, SIMD_AVX2, SIMD_AVX512 };
+
+static int simd_level = -1;
+
+static __attribute__((noinline)) void detect_simd_level(void)
+{
+	__builtin_cpu_init();
+	int level = __builtin_cpu_supports("avx512bw") ? SIMD_AVX512
+		  : __builtin_cpu_supports("avx2") ? SIMD_AVX2 : SIMD_SSSE3;
+	const char *cap = getenv("AGG_SIMD_MAX");  /* "ssse3" / "avx2": test the others */
+	if (cap != NULL && !strcmp(cap, "ssse3"))
+		level = SIMD_SSSE3;
+	else if (cap != NULL && !strcmp(cap, "avx2") && level > SIMD_AVX2)
+		level = SIMD_AVX2;
+	simd_level = level;
+}
+
+/* Detected once; after that a load and a predictable branch per call. */
+static inline enum simd_level cpu_simd_level(void)
+{
+	if (__builtin_expect(simd_level < 0, 0))
+		detect_simd_level();
+	return (enum simd_level)simd_level;
 }
 #endif
 
@@ -183,12 +297,13 @@ void agg_add_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		   const struct agg_job *job)
 {
 #if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
-	if (cpu_has_avx2())
-		add_lanes_avx2(sums, packed, num_values, job->table);
-	else
-		add_lanes_ssse3(sums, packed, num_values, job->table);
+	switch (cpu_simd_level()) {
+	case SIMD_AVX512: add_lanes_avx512(sums, packed, num_values, job->table); return;
+	case SIMD_AVX2: add_lanes_avx2(sums, packed, num_values, job->table); return;
+	default: lanes_ssse3(sums, packed, num_values, job->table, 0); return;
+	}
 #elif defined(__SSSE3__)
-	add_lanes_ssse3(sums, packed, num_values, job->table);
+	lanes_ssse3(sums, packed, num_values, job->table, 0);
 #else
 	agg_add_lanes_lut(sums, packed, num_values, job->pair_lut, job->table);
 #endif
@@ -198,15 +313,29 @@ void agg_store_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		     const struct agg_job *job)
 {
 #if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
-	if (cpu_has_avx2())
-		store_lanes_avx2(sums, packed, num_values, job->table);
-	else
-		store_lanes_ssse3(sums, packed, num_values, job->table);
+	switch (cpu_simd_level()) {
+	case SIMD_AVX512: store_lanes_avx512(sums, packed, num_values, job->table); return;
+	case SIMD_AVX2: store_lanes_avx2(sums, packed, num_values, job->table); return;
+	default: lanes_ssse3(sums, packed, num_values, job->table, 1); return;
+	}
 #elif defined(__SSSE3__)
-	store_lanes_ssse3(sums, packed, num_values, job->table);
+	lanes_ssse3(sums, packed, num_values, job->table, 1);
 #else
-	memset(sums, 0, num_values);
-	agg_add_lanes_lut(sums, packed, num_values, job->pair_lut, job->table);
+	lanes_scalar(sums, packed, num_values, job->table, 1);
+#endif
+}
+
+void agg_sums_to_values(uint8_t *out, const uint8_t *sums, uint32_t num_values)
+{
+#if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
+	if (cpu_simd_level() >= SIMD_AVX2)
+		sums_to_values_avx2(out, sums, num_values);
+	else
+		sums_to_values_ssse3(out, sums, num_values);
+#elif defined(__SSSE3__)
+	sums_to_values_ssse3(out, sums, num_values);
+#else
+	sums_to_values_scalar(out, sums, num_values);
 #endif
 }
 
@@ -219,7 +348,11 @@ static inline void write_l2l4(const struct agg_member *m, uint8_t *f, uint8_t to
 {
 	uint16_t ip_len = (uint16_t)(IPV4_HLEN_ + udp_len);
 	uint32_t sum = m->ip_csum_base + tos + ip_len;
-	memcpy(f, m->l2l4, AGG_L2L4_LEN);
+	/* 42 bytes as two fixed-size (overlapping) copies: a plain 42-byte memcpy
+	 * compiles to rep movsb here, slow to start for so few bytes. */
+	_Static_assert(AGG_L2L4_LEN > 32 && AGG_L2L4_LEN <= 48, "l2l4 copy sizes");
+	memcpy(f, m->l2l4, 32);
+	memcpy(f + AGG_L2L4_LEN - 16, m->l2l4 + AGG_L2L4_LEN - 16, 16);
 	uint8_t *ip = f + ETH_HLEN_;
 	ip[1] = tos;
 	wr16(ip + 2, ip_len);
@@ -283,37 +416,50 @@ static void write_result_headers(const struct agg_job *job, uint16_t slot,
 	h[H_RESERVED] = 0;
 }
 
-/* A whole RESULT frame built from a completed copy, addressed to worker w. */
-static void emit_result(const struct agg_job *job, uint16_t slot,
-			const struct agg_copy *cp, uint8_t w, uint8_t flags, uint8_t tos,
-			const struct agg_emitter *em)
+/* A whole RESULT frame built from a completed copy, addressed to worker w,
+ * in the input's buffer when reuse is set and the emitter offers it. */
+static uint8_t *emit_result(const struct agg_job *job, uint16_t slot,
+			    const struct agg_copy *cp, uint8_t w, uint8_t flags, uint8_t tos,
+			    const struct agg_emitter *em, int reuse)
 {
-	uint8_t *f = em->alloc(em->ctx, job->members[w].port,
-			       (uint16_t)(AGG_MIN_FRAME + cp->num_values));
+	uint16_t port = job->members[w].port, len = (uint16_t)(AGG_MIN_FRAME + cp->num_values);
+	uint8_t *f = NULL;
+	if (reuse && em->reuse_input != NULL)
+		f = em->reuse_input(em->ctx, port, len);
 	if (f == NULL)
-		return;
+		f = em->alloc(em->ctx, port, len);
+	if (f == NULL)
+		return NULL;
 	write_result_headers(job, slot, cp, w, flags, tos, f);
-	memcpy(f + AGG_MIN_FRAME, cp->sums, cp->num_values);
+	agg_sums_to_values(f + AGG_MIN_FRAME, cp->sums, cp->num_values);
+	return f;
 }
 
-/* The result to every member in worker-id order: the sums are copied once and
- * shared when the emitter can chain a per-member header to them. */
+/* The result to every member in worker-id order. The first frame is built
+ * whole (in the completing packet's buffer where the emitter allows: every
+ * field of the input has been read by now); every other member's is a copy of
+ * it from the AGG header on (only the worker id differs there) behind that
+ * member's own Ethernet/IPv4/UDP headers. */
 static void multicast_result(const struct agg_job *job, uint16_t slot,
 			     const struct agg_copy *cp, uint8_t tos, const struct agg_emitter *em)
 {
-	int shared = em->share != NULL && em->share(em->ctx, cp->sums, cp->num_values) == 0;
+	uint16_t udp_len = (uint16_t)(UDP_HLEN_ + AGG_HEADER_LEN + cp->num_values);
+	uint16_t frame_len = (uint16_t)(AGG_MIN_FRAME + cp->num_values);
+	const uint8_t *first = NULL;
 	for (uint32_t i = 0; i < job->num_members; i++) {
 		uint8_t w = job->member_ids[i];
-		if (!shared) {
-			emit_result(job, slot, cp, w, 0, tos, em);
+		if (first == NULL) {
+			first = emit_result(job, slot, cp, w, 0, tos, em, 1);
 			continue;
 		}
-		uint8_t *f = em->alloc_header(em->ctx, job->members[w].port, AGG_MIN_FRAME);
-		if (f != NULL)
-			write_result_headers(job, slot, cp, w, 0, tos, f);
+		const struct agg_member *m = &job->members[w];
+		uint8_t *f = em->alloc(em->ctx, m->port, frame_len);
+		if (f == NULL)
+			continue;
+		write_l2l4(m, f, tos, udp_len);
+		memcpy(f + AGG_L2L4_LEN, first + AGG_L2L4_LEN, frame_len - AGG_L2L4_LEN);
+		f[AGG_L2L4_LEN + H_WORKER] = w;
 	}
-	if (shared)
-		em->unshare(em->ctx);
 }
 
 static void emit_straggler(const struct agg_job *job,
@@ -336,6 +482,15 @@ static void emit_straggler(const struct agg_job *job,
 }
 
 /* ---- the slot state machine (§4.2) -------------------------------------- */
+
+/* Zero the lanes of values [from, to) in the split layout. */
+static void zero_lanes(uint8_t *sums, uint32_t from, uint32_t to)
+{
+	uint32_t even_from = (from + 1) / 2, even_to = (to + 1) / 2;
+	uint32_t odd_from = from / 2, odd_to = to / 2;
+	memset(sums + even_from, 0, even_to - even_from);
+	memset(sums + AGG_SUMS_ODD + odd_from, 0, odd_to - odd_from);
+}
 
 static int copy_complete(const struct agg_copy *cp)
 {
@@ -369,7 +524,7 @@ static void process_data(struct agg_job *job, const uint8_t *h,
 	if (cp->bitmap & bit) {
 		if (cp->done) {
 			job->c.results_reserved++;
-			emit_result(job, slot, cp, w, AGG_FLAG_RESERVE, tos, em);
+			emit_result(job, slot, cp, w, AGG_FLAG_RESERVE, tos, em, 0);
 		} else {
 			job->c.drop_duplicate++;
 		}
@@ -377,16 +532,21 @@ static void process_data(struct agg_job *job, const uint8_t *h,
 	}
 	if (cp->done) {
 		job->c.results_reserved++;
-		emit_result(job, slot, cp, w, AGG_FLAG_RESERVE | AGG_FLAG_LATE, tos, em);
+		emit_result(job, slot, cp, w, AGG_FLAG_RESERVE | AGG_FLAG_LATE, tos, em, 0);
 		return;
 	}
 
 	uint16_t nv = rd16(h + H_NUM_VALUES);
 	if (cp->bitmap == 0) {
-		/* First contribution of the round: sums = its values, 0 past them. */
+		/* First contribution of the round: sums = its values. */
 		agg_store_lanes(cp->sums, payload, nv, job);
-		memset(cp->sums + nv, 0, AGG_MAX_VALUES - nv);
+		cp->extent = nv;
 	} else {
+		if (nv > cp->extent) {
+			/* Lanes no earlier contribution reached start from 0. */
+			zero_lanes(cp->sums, cp->extent, nv);
+			cp->extent = nv;
+		}
 		agg_add_lanes(cp->sums, payload, nv, job);
 	}
 	cp->bitmap |= bit;
@@ -473,9 +633,11 @@ static int lengths_valid(const uint8_t *frame, uint32_t len, uint8_t type, uint1
 	return udp_len == UDP_HLEN_ + AGG_HEADER_LEN;
 }
 
+/* Only what keeps the address inside the slot table is checked: prefetching
+ * for a frame that turns out invalid (or ordinary traffic) costs nothing. */
 void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t len)
 {
-	if (len < AGG_MIN_FRAME || !is_aggregation_packet(frame, len))
+	if (len < AGG_MIN_FRAME)
 		return;
 	const uint8_t *h = frame + AGG_L2L4_LEN;
 	int32_t ji = sw->job_index[rd16(h + H_JOB)];
@@ -486,8 +648,11 @@ void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t le
 	if (slot >= job->pool_size)
 		return;
 	const struct agg_copy *cp = &job->slots[slot].copy[h[H_ROUND + 3] & 1];
+	/* The state, and the heads of the two streams the kernels walk (even and
+	 * odd values): the hardware prefetcher follows on from there. */
 	__builtin_prefetch(cp, 1);
 	__builtin_prefetch(cp->sums, 1);
+	__builtin_prefetch(cp->sums + AGG_SUMS_ODD, 1);
 }
 
 enum agg_verdict agg_process(struct agg_switch *sw, uint16_t in_port, uint8_t *frame,

@@ -17,6 +17,7 @@
 #define AGG_PORT_MASK      0xFFF0u
 #define AGG_HEADER_LEN     32u
 #define AGG_MAX_VALUES     1024u
+#define AGG_SUMS_ODD       (AGG_MAX_VALUES / 2)   /* where a copy's odd values start */
 #define AGG_MAX_WORKERS    32u
 #define AGG_MAX_SLOTS      65536u
 #define AGG_MAX_PORTS      32u
@@ -80,7 +81,13 @@ struct agg_copy {
 	uint8_t  count;
 	uint8_t  done;
 	uint8_t  min_count;
-	uint8_t  sums[AGG_MAX_VALUES] __attribute__((aligned(16)));
+	/* Lanes [0, extent) hold this round's sums; the rest are stale and are
+	 * zeroed only when a contribution reaches past them. */
+	uint16_t extent;
+	/* Split by nibble: value 2j's sum at sums[j], value 2j+1's at
+	 * sums[AGG_SUMS_ODD + j] (see the lane kernels; agg_sums_to_values gives
+	 * value order). */
+	uint8_t  sums[AGG_MAX_VALUES] __attribute__((aligned(64)));
 };
 
 struct agg_slot {
@@ -143,13 +150,13 @@ struct agg_switch {
 struct agg_emitter {
 	uint8_t *(*alloc)(void *ctx, uint16_t port, uint16_t len);
 	void *ctx;
-	/* Optional header-only replication of a multicast result (NULL: every
-	 * member's frame is built whole with alloc). share() takes the payload once;
-	 * until unshare(), alloc_header() returns a buffer for the first hdr_len bytes
-	 * of a frame that continues with that payload. */
-	int (*share)(void *ctx, const uint8_t *payload, uint16_t len);
-	uint8_t *(*alloc_header)(void *ctx, uint16_t port, uint16_t hdr_len);
-	void (*unshare)(void *ctx);
+	/* Optional (may be NULL or return NULL): the input frame's own buffer,
+	 * resized to len, as an emission through port. The core asks for it only
+	 * for the first frame of a multicast, after its last read of the input, so
+	 * the buffer the completing packet arrived in carries the result out
+	 * (hot in cache, one allocation less). The verdict is then AGG_CONSUMED
+	 * and the caller must not free the input. */
+	uint8_t *(*reuse_input)(void *ctx, uint16_t port, uint16_t len);
 };
 
 enum agg_verdict {
@@ -172,14 +179,20 @@ enum agg_verdict agg_process(struct agg_switch *sw, uint16_t in_port, uint8_t *f
 /* Prefetch the slot copy a frame will touch (call a packet ahead, l3fwd style). */
 void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t len);
 
-/* Lane kernels (exported so the fuzz harness can check they agree). */
+/* Lane kernels (exported so the fuzz harness can check they agree). They work
+ * on the split layout of agg_copy.sums: even values in sums[0..], odd values
+ * in sums[AGG_SUMS_ODD..]. The SIMD level is the best the CPU has, capped by
+ * the environment variable AGG_SIMD_MAX=ssse3|avx2 (to test every level). */
 void agg_add_lanes_lut(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		       const uint16_t *pair_lut, const uint8_t *table);
 void agg_add_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		   const struct agg_job *job);
-/* sums[i] = T[idx[i]] for i < num_values (a round's first contribution). */
+/* sums = T[idx] for the num_values values (a round's first contribution);
+ * lanes past num_values are left alone. */
 void agg_store_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		     const struct agg_job *job);
+/* out[i] = value i's sum for i < num_values: split layout back to value order. */
+void agg_sums_to_values(uint8_t *out, const uint8_t *sums, uint32_t num_values);
 
 /* DLCP egress (docs/protocol.md §6): 8 strict-priority FIFOs per port. */
 struct dlcp_queue {

@@ -45,7 +45,6 @@
 #define TX_DESC         1024
 #define MAX_EMIT        (AGG_MAX_WORKERS + 1)
 #define RATE_UNLIMITED  (-1.0)
-#define SHARE_MIN_PAYLOAD 512   /* bytes of sums from which multicast shares them */
 
 static volatile bool force_quit;
 static volatile bool dump_stats;
@@ -56,7 +55,6 @@ struct port_state {
 	double tokens;
 	uint64_t last_tsc;
 	uint64_t rx, tx, tx_dropped, tx_nombuf;
-	bool multi_seg;         /* the PMD sends chained mbufs */
 	/* An unlimited port never holds a backlog: admitted frames go straight to
 	 * this burst buffer (arrival order = priority order) and leave at service. */
 	struct rte_mbuf *txbuf[BURST_SIZE];
@@ -66,8 +64,6 @@ struct port_state {
 struct app {
 	struct agg_switch sw;
 	struct rte_mempool *pool;
-	struct rte_mempool *clone_pool;  /* indirect mbufs sharing a result's sums */
-	struct rte_mbuf *shared;         /* the payload of the result being multicast */
 	struct rte_lpm *lpm;
 	uint16_t nb_ports;
 	struct port_state ports[AGG_MAX_PORTS];
@@ -83,6 +79,11 @@ struct app {
 	struct rte_mbuf *emit_mbuf[MAX_EMIT];
 	uint16_t emit_port[MAX_EMIT];
 	uint16_t nb_emit;
+	struct rte_mbuf *input;      /* the frame being processed */
+	bool input_reused;           /* ... now carries an emission: do not free it */
+	/* emission mbufs allocated a burst at a time */
+	struct rte_mbuf *stash[BURST_SIZE];
+	uint16_t nb_stash;
 	/* input frames done with, freed in bulk once per burst */
 	struct rte_mbuf *consumed[BURST_SIZE];
 	uint16_t nb_consumed;
@@ -138,7 +139,10 @@ static uint8_t *emit_alloc(void *ctx, uint16_t port, uint16_t len)
 	struct app *a = ctx;
 	if (a->nb_emit == MAX_EMIT || port >= a->nb_ports)
 		return NULL;
-	struct rte_mbuf *m = rte_pktmbuf_alloc(a->pool);
+	if (a->nb_stash == 0 && rte_pktmbuf_alloc_bulk(a->pool, a->stash, BURST_SIZE) == 0)
+		a->nb_stash = BURST_SIZE;
+	/* Short of a whole burst, the pool may still have a few. */
+	struct rte_mbuf *m = a->nb_stash ? a->stash[--a->nb_stash] : rte_pktmbuf_alloc(a->pool);
 	if (m == NULL) {
 		a->ports[port].tx_nombuf++;
 		return NULL;
@@ -154,60 +158,24 @@ static uint8_t *emit_alloc(void *ctx, uint16_t port, uint16_t len)
 	return (uint8_t *)data;
 }
 
-/* Multicast without copying the sums per member (DPDK's ipv4_multicast idea):
- * one mbuf holds the sums, each member gets a header mbuf chained to an
- * indirect mbuf attached to it. */
-static int emit_share(void *ctx, const uint8_t *payload, uint16_t len)
+/* The completing packet's mbuf carries the first copy of a result: only a
+ * plain single-segment mbuf that this switch alone holds and that has room. */
+static uint8_t *emit_reuse_input(void *ctx, uint16_t port, uint16_t len)
 {
 	struct app *a = ctx;
-	/* A short payload is cheaper to copy than to share (two mbufs per member). */
-	if (len < SHARE_MIN_PAYLOAD)
-		return -1;
-	struct rte_mbuf *m = rte_pktmbuf_alloc(a->pool);
-	if (m == NULL)
-		return -1;
-	char *data = rte_pktmbuf_append(m, len);
-	if (data == NULL) {
-		rte_pktmbuf_free(m);
-		return -1;
-	}
-	rte_memcpy(data, payload, len);
-	a->shared = m;
-	return 0;
-}
-
-static uint8_t *emit_alloc_header(void *ctx, uint16_t port, uint16_t hdr_len)
-{
-	struct app *a = ctx;
-	struct rte_mbuf *payload = a->shared;
-	uint16_t len = rte_pktmbuf_data_len(payload);
-	if (port >= a->nb_ports || !a->ports[port].multi_seg) {
-		/* A PMD without chained tx gets a whole frame. */
-		uint8_t *f = emit_alloc(ctx, port, (uint16_t)(hdr_len + len));
-		if (f != NULL)
-			rte_memcpy(f + hdr_len, rte_pktmbuf_mtod(payload, uint8_t *), len);
-		return f;
-	}
-	struct rte_mbuf *clone = rte_pktmbuf_alloc(a->clone_pool);
-	if (clone == NULL) {
-		a->ports[port].tx_nombuf++;
+	struct rte_mbuf *m = a->input;
+	if (m == NULL || a->input_reused || a->nb_emit == MAX_EMIT || port >= a->nb_ports ||
+	    !RTE_MBUF_DIRECT(m) || rte_mbuf_refcnt_read(m) != 1 || m->nb_segs != 1 ||
+	    len > m->buf_len - m->data_off)
 		return NULL;
-	}
-	rte_pktmbuf_attach(clone, payload);
-	uint8_t *f = emit_alloc(ctx, port, hdr_len);
-	if (f == NULL) {
-		rte_pktmbuf_free(clone);
-		return NULL;
-	}
-	rte_pktmbuf_chain(a->emit_mbuf[a->nb_emit - 1], clone);
-	return f;
-}
-
-static void emit_unshare(void *ctx)
-{
-	struct app *a = ctx;
-	rte_pktmbuf_free(a->shared);     /* the clones keep it until they are sent */
-	a->shared = NULL;
+	m->data_len = len;
+	m->pkt_len = len;
+	m->ol_flags = 0;        /* rx flags say nothing about the new frame */
+	a->input_reused = true;
+	a->emit_mbuf[a->nb_emit] = m;
+	a->emit_port[a->nb_emit] = port;
+	a->nb_emit++;
+	return rte_pktmbuf_mtod(m, uint8_t *);
 }
 
 static void tx_all(struct app *a, uint16_t port, struct rte_mbuf **pkts, uint16_t n);
@@ -243,7 +211,7 @@ static void free_consumed(struct app *a)
 static void process_packet(struct app *a, struct rte_mbuf *m, uint16_t in_port)
 {
 	static const struct agg_emitter emitter = {
-		emit_alloc, &app, emit_share, emit_alloc_header, emit_unshare,
+		emit_alloc, &app, emit_reuse_input,
 	};
 	uint16_t out_port = 0;
 
@@ -253,10 +221,15 @@ static void process_packet(struct app *a, struct rte_mbuf *m, uint16_t in_port)
 	 * 1140 bytes); the rest can only be padding or ordinary traffic, and a
 	 * forwarded frame leaves as the whole chain. */
 	a->nb_emit = 0;
+	a->input = m;
+	a->input_reused = false;
 	enum agg_verdict v = agg_process(&a->sw, in_port, rte_pktmbuf_mtod(m, uint8_t *),
 					 rte_pktmbuf_data_len(m), &emitter, &out_port);
+	a->input = NULL;
 	for (uint16_t i = 0; i < a->nb_emit; i++)
 		egress(a, a->emit_mbuf[i], a->emit_port[i]);
+	if (a->input_reused)
+		return;
 	if (v == AGG_FORWARD && out_port < a->nb_ports) {
 		egress(a, m, out_port);
 		return;
@@ -266,7 +239,8 @@ static void process_packet(struct app *a, struct rte_mbuf *m, uint16_t in_port)
 		free_consumed(a);
 }
 
-/* A burst in order, the next packet's slot prefetched while one is processed. */
+/* A burst in order, the next packet's slot prefetched while one is processed
+ * (prefetching further ahead measured no better). */
 static void process_burst(struct app *a, struct rte_mbuf **pkts, const uint16_t *in_port,
 			  uint16_t n)
 {
@@ -600,13 +574,9 @@ static int port_init(struct app *a, uint16_t port)
 	memset(&conf, 0, sizeof(conf));
 	if ((rc = rte_eth_dev_info_get(port, &info)) != 0)
 		return rc;
-	/* Chained results need multi-segment tx; net_null frees whatever it gets. */
-	if (info.tx_offload_capa & RTE_ETH_TX_OFFLOAD_MULTI_SEGS) {
+	/* A chained (jumbo) frame that is forwarded leaves as the whole chain. */
+	if (info.tx_offload_capa & RTE_ETH_TX_OFFLOAD_MULTI_SEGS)
 		conf.txmode.offloads |= RTE_ETH_TX_OFFLOAD_MULTI_SEGS;
-		a->ports[port].multi_seg = true;
-	} else if (info.driver_name && !strcmp(info.driver_name, "net_null")) {
-		a->ports[port].multi_seg = true;
-	}
 	if ((rc = rte_eth_dev_configure(port, 1, 1, &conf)) != 0)
 		return rc;
 	if ((rc = rte_eth_dev_adjust_nb_rx_tx_desc(port, &nb_rxd, &nb_txd)) != 0)
@@ -727,10 +697,6 @@ int main(int argc, char **argv)
 					  RTE_MBUF_DEFAULT_BUF_SIZE, rte_socket_id());
 	if (a->pool == NULL)
 		rte_exit(EXIT_FAILURE, "cannot create the mbuf pool (try -m 512)\n");
-	a->clone_pool = rte_pktmbuf_pool_create("clones", NUM_MBUFS, MBUF_CACHE, 0, 0,
-						rte_socket_id());
-	if (a->clone_pool == NULL)
-		rte_exit(EXIT_FAILURE, "cannot create the clone pool (try -m 512)\n");
 	if (setup_lpm(a) < 0)
 		rte_exit(EXIT_FAILURE, "cannot build the route table\n");
 	for (uint16_t p = 0; p < a->nb_ports; p++) {
@@ -767,6 +733,7 @@ int main(int argc, char **argv)
 	}
 	if (a->lpm)
 		rte_lpm_free(a->lpm);
+	rte_pktmbuf_free_bulk(a->stash, a->nb_stash);
 	agg_switch_free(&a->sw);
 	rte_eal_cleanup();
 	return rc == 0 ? 0 : 1;
