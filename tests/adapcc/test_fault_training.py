@@ -1,0 +1,76 @@
+"""A worker dies mid-training: the 5x rule drops it, the survivors train on (real processes)."""
+import json
+import socket
+import threading
+import time
+
+from host.adapcc.fault_training import CoordinatorClient, FaultCoordinator, run_job, summarize
+
+WORKERS, KILL_WORKER, KILL_STEP, STEPS, GLOBAL_BATCH = 4, 3, 10, 24, 96
+
+
+def test_coordinator_declares_the_silent_worker_faulty_and_evicts_it_later():
+    coord = FaultCoordinator(4, 96, min_fault_timeout=0.3)
+    try:
+        out = {}
+
+        def ready(w, step):
+            out[(w, step)] = CoordinatorClient(coord.address, w, timeout=5).ready(step, [w, 1.0])
+        threads = [threading.Thread(target=ready, args=(w, 0)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert all(out[(w, 0)]["expected"] == [0, 1, 2, 3] for w in range(4))
+        assert out[(0, 0)]["max_norms"] == [3.0, 1.0]
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=ready, args=(w, 1)) for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        waited = time.monotonic() - t0
+        d = out[(0, 1)]
+        assert d["expected"] == [0, 1, 2] and d["faulty"] == [3]
+        assert d["batch"] == {"0": 32, "1": 32, "2": 32}             # global batch kept
+        assert d["max_norms"] == [2.0, 1.0]                          # survivors' norms only
+        assert 0.3 <= waited < 5
+        assert [f["worker"] for f in coord.faults] == [3] and coord.faults[0]["step"] == 1
+        late = CoordinatorClient(coord.address, 3, timeout=5).ready(1, [9.0, 9.0])
+        assert late["type"] == "evicted"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:   # junk: dropped, counted
+            s.sendto(b"not json", coord.address)
+        deadline = time.monotonic() + 2
+        while coord.malformed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert coord.malformed == 1
+    finally:
+        coord.stop()
+
+
+def test_training_continues_without_a_killed_worker():
+    run = run_job(WORKERS, KILL_WORKER, KILL_STEP, STEPS, global_batch=GLOBAL_BATCH,
+                  min_fault_timeout=2.0, timeout=20.0, deadline_s=55.0)
+    assert not run["errors"], run["errors"]
+    assert run["exitcodes"][KILL_WORKER] == -9                       # SIGKILLed itself
+    assert all(run["exitcodes"][w] == 0 for w in range(WORKERS) if w != KILL_WORKER)
+    assert [(f["worker"], f["step"]) for f in run["faults"]] == [(KILL_WORKER, KILL_STEP)]
+    survivors = [w for w in range(WORKERS) if w != KILL_WORKER]
+    s = summarize(run, KILL_STEP)
+    assert s["survivors"] == survivors
+    logs = {w: run["outs"][w]["log"] for w in survivors}
+    for w, log in logs.items():
+        assert len(log) == STEPS
+        for e in log:
+            after = e["step"] >= KILL_STEP
+            assert e["expected"] == (survivors if after else list(range(WORKERS)))
+            assert e["count"] == (3 if after else 4)                 # aggregator's contributors
+            assert e["batch"] == (GLOBAL_BATCH // 3 if after else GLOBAL_BATCH // 4)
+    # the survivors hold the same model, bit for bit, and it keeps improving after the death
+    assert s["identical"]
+    assert len({json.dumps([e["loss"] for e in log]) for log in logs.values()}) == 1
+    losses = [e["loss"] for e in logs[0]]
+    assert s["loss_end"] < 0.7 * s["loss_at_death"]
+    assert min(losses[KILL_STEP:]) < losses[KILL_STEP - 1]
+    agg = run["aggregator"]["jobs"][1]
+    assert agg["drop_bad_expected"] == 0 and agg["straggler_notices"] == 0
