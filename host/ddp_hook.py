@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 import thc
 from host.allreduce import AggregatorExchange, SumAllreduceExchange, THCAllreduce
-from host.transport import AggregatorTransport, default_policy, parse_address
+from host.dlcp.marking import DlcpPolicy
+from host.transport import AggregatorTransport, parse_address
 
 DEFAULT_POOL_SIZE = 256
 
@@ -46,7 +47,10 @@ class THCHookState:
             # DDP rebuilds its buckets after the first step: the old error no longer fits.
             self.allreduce.error_feedback.reset(key)
         self.bucket_sizes[key] = size
-        return self.allreduce(tensor, key)
+        # DDP fills bucket 0 from the model's last layers, so the highest bucket index holds
+        # the front layers: they get the highest DLCP band (layer 0).
+        num_buckets = max(self.bucket_sizes) + 1
+        return self.allreduce(tensor, key, layer=num_buckets - 1 - key, num_layers=num_buckets)
 
 
 def thc_hook(state: THCHookState,
@@ -77,7 +81,7 @@ def allreduce_gradients(parameters, state: THCHookState, key: int = 0) -> None:
 
 def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_POOL_SIZE,
                    worker_address=None, codec: thc.THCCodec | None = None, group=None,
-                   timeout: float = 30.0, policy=default_policy, error_feedback: bool = True,
+                   timeout: float = 30.0, policy=None, error_feedback: bool = True,
                    values_per_packet: int = 1024, seed: int = 0,
                    start_timeout: float = 60.0) -> THCHookState:
     """Build the hook state on this worker (call after dist.init_process_group).
@@ -89,7 +93,10 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     torchrun; else any port). codec: a thc.THCCodec identical on every worker
     (default: b=4, g=30, p=1/32, this seed). start_timeout: seconds the first call waits
     for every worker (the error names the missing rank); timeout: seconds without progress
-    in an exchange before AggregatorTimeout.
+    in an exchange before AggregatorTimeout. policy: the per-packet DSCP/ECN hook of the
+    in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front buckets in higher
+    bands, packets of large rotated magnitude ECT); host.transport.default_policy turns
+    marking off.
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
@@ -107,7 +114,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
         transport = AggregatorTransport((host, port), job=job, worker=rank,
                                         expected=(1 << world) - 1, pool_size=pool_size,
                                         values_per_packet=values_per_packet, timeout=timeout,
-                                        local=local, policy=policy)
+                                        local=local,
+                                        policy=DlcpPolicy() if policy is None else policy)
         exchange = AggregatorExchange(transport, codec)
     return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
                                      start_timeout=start_timeout))
