@@ -165,7 +165,7 @@ class THCAllreduce:
         good_dtype = tensor.dtype in SUPPORTED_DTYPES
         flat = _flat_float32(tensor) if good_dtype else tensor.detach().reshape(-1)
         d = flat.numel()
-        finite = good_dtype and bool(torch.isfinite(flat).all())
+        finite = good_dtype and _all_finite(flat)
         local = (d, finite, good_dtype, key, flat.device, tensor.dtype)
         combined = None
         if key in self.verified_sizes:
@@ -281,6 +281,18 @@ class THCAllreduce:
 
 
 # --------------------------------------------------------------------------- helpers
+
+def _all_finite(flat: torch.Tensor) -> bool:
+    """No NaN/Inf in flat (float32). On CPU a float32 dot product first (0.5 ms for 16 MB
+    vs 9 ms for isfinite().all()): NaN and Inf propagate through a sum of squares, so a
+    finite x.x proves every value finite; only a non-finite one (or an overflow of the
+    squares past 3.4e38) needs the exact elementwise check."""
+    if flat.device.type == "cpu" and flat.dtype == torch.float32 and flat.is_contiguous():
+        a = flat.detach().numpy()
+        if np.isfinite(np.dot(a, a)):
+            return True
+    return bool(torch.isfinite(flat).all())
+
 
 def _flat_float32(tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):

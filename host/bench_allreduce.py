@@ -8,9 +8,13 @@ the link rate in both directions (host.netem.NetnsTestbed). Side by side in one 
   thc-agg    THC through the reference aggregator, which sits on the bridge (in the switch
              namespace), so its traffic crosses only the workers' links: in-network
              aggregation, 4 bits up and 8 bits down per value;
+  thc-dpdk   THC through the DPDK switch (dataplane/dpdk/build/thc_switch, `make build`):
+             no bridge; each worker link ends on its own switch port (net_af_packet on the
+             switch-side veth, qdisc_bypass=0 so the link's tbf shapes the switch's
+             output too). The process group (norm MAX exchange, barriers) runs over a
+             separate unshaped control network, a few hundred bytes per call;
   thc-gloo   THC over gloo all_reduce(SUM) on uint8 lanes (no switch);
   fp32-gloo  plain fp32 gloo all_reduce.
-The DPDK switch has no live (non-pcap) mode here, so it has no column.
 `bound` is the bytes-on-the-wire limit of one worker link, the busier direction:
 thc-agg max(up, down) frame bytes; ring allreduces 2(n-1)/n of the buffer each way.
 Times are medians over --reps of the slowest worker (all_reduce MAX of the per-worker times).
@@ -26,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("thc-agg", "thc-gloo", "fp32-gloo")
+MODES = ("thc-agg", "thc-dpdk", "thc-gloo", "fp32-gloo")
+AGG_MODES = ("thc-agg", "thc-dpdk")
 WORKER_UDP_PORT = 40000
 AGG_PORT = 50000
 GLOO_PORT = 29600
@@ -38,7 +43,7 @@ def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: floa
     """Time one worker link needs for the bytes it must carry (the busier direction)."""
     import thc
     d = size_bytes // 4
-    if mode == "thc-agg":
+    if mode in AGG_MODES:
         padded = thc.THCCodec().padded_length(d)
         packets = -(-padded // VALUES_PER_PACKET)
         up = padded / 2 + packets * FRAME_OVERHEAD
@@ -67,7 +72,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=120))
     state = None
-    if args.mode == "thc-agg":
+    if args.mode in AGG_MODES:
         state = thc_hook_state(aggregator=args.aggregator, job=1, pool_size=args.pool_size,
                                worker_address=(args.ip, WORKER_UDP_PORT), timeout=60)
     elif args.mode == "thc-gloo":
@@ -92,6 +97,11 @@ def worker(args) -> None:
             if rep:
                 times.append(float(elapsed))
         results[str(mb)] = times
+    if state is not None:
+        # Where rank 0's time went (all sizes and reps together), and the transport's view.
+        results["seconds"] = dict(state.allreduce.seconds)
+        if args.mode in AGG_MODES:
+            results["transport"] = state.allreduce.exchange.transport.stats.as_dict()
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -99,22 +109,30 @@ def worker(args) -> None:
 
 # --------------------------------------------------------------------------- the parent
 
-def _job_config(ips, pool_size):
+def _job_config(tb, pool_size, switch_ip, switch_mac):
     from dataplane.config import Job, Member, SwitchConfig
-    members = [Member(worker=w, port=w, mac=f"02:00:00:00:02:{w + 1:02x}", ip=ip,
-                      udp_port=WORKER_UDP_PORT) for w, ip in enumerate(ips)]
-    return SwitchConfig(ip="127.0.0.1", jobs=(Job.from_thc(1, pool_size, members),)).validate()
+    members = [Member(worker=w, port=w, mac=tb.host_mac(w), ip=tb.host_ip(w),
+                      udp_port=WORKER_UDP_PORT) for w in range(tb.num_hosts)]
+    return SwitchConfig(ip=switch_ip, mac=switch_mac,
+                        jobs=(Job.from_thc(1, pool_size, members),)).validate()
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
 
 
 def _run_mode(tb, mode, args, tmp: Path) -> dict:
     n = args.workers
     out = tmp / f"{mode}.json"
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    # ports mode (DPDK switch): the process group uses the unshaped control network.
+    ports = tb.switch == "ports"
+    env = dict(_env(), GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
+    master = tb.control_ip(0) if ports else tb.host_ip(0)
     procs = []
     for w in range(n):
         argv = [sys.executable, "-m", "host.bench_allreduce", "--worker", "--rank", str(w),
-                "--world", str(n), "--master", f"{tb.host_ip(0)}:{GLOO_PORT}", "--mode", mode,
+                "--world", str(n), "--master", f"{master}:{GLOO_PORT}", "--mode", mode,
                 "--ip", tb.host_ip(w), "--aggregator", f"{tb.switch_ip}:{AGG_PORT}",
                 "--sizes-mb", ",".join(str(s) for s in args.sizes_mb), "--reps", str(args.reps),
                 "--pool-size", str(args.pool_size), "--out", str(out)]
@@ -135,41 +153,102 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def run_benchmark(args) -> list[dict]:
+def _start_reference(tb, args, tmp: Path) -> subprocess.Popen:
+    cfg = _job_config(tb, args.pool_size, tb.switch_ip, tb.switch_mac)
+    cfg.save(tmp / "switch.json")
+    agg = tb.popen_switch([sys.executable, "-m", "dataplane.udp_service",
+                           "--config", str(tmp / "switch.json"),
+                           "--host", tb.switch_ip, "--port", str(AGG_PORT)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=_env())
+    agg.stdout.readline()                 # "serving ..." once it is bound
+    return agg
+
+
+def _start_dpdk(tb, args, tmp: Path) -> subprocess.Popen:
+    """thc_switch in the switch namespace, port w = worker w's link (af_packet)."""
+    from dataplane.dpdk_config import write_config
+    from dataplane.dpdk_runner import SWITCH_BIN, eal_args
+    cfg = _job_config(tb, args.pool_size, tb.switch_ip, tb.switch_mac)
+    conf = write_config(cfg, tmp / "dpdk_switch.conf")
+    # qdisc_bypass=0: the switch's transmissions go through the port's tbf (the link rate).
+    # framecnt: 4096-frame rings (default 512): four workers' windows arrive together, and
+    # on this shared machine the switch's lcore is sometimes descheduled for milliseconds.
+    vdevs = [f"net_af_packet{p},iface={tb.switch_port(p)},qdisc_bypass=0,"
+             f"framecnt={args.switch_ring}" for p in range(tb.num_hosts)]
+    log = open(tmp / "dpdk_switch.log", "w")
+    proc = tb.popen_switch([str(SWITCH_BIN), *eal_args(vdevs), "--", "--config", str(conf),
+                            "--stats", str(tmp / "dpdk_stats.json")],
+                           stdout=subprocess.PIPE, stderr=log, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "running" in line:
+            return proc
+    proc.kill()
+    proc.wait()
+    raise SystemExit("thc_switch did not start: " + (tmp / "dpdk_switch.log").read_text()[-2000:])
+
+
+def _stop(proc) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _rows(times, mode, rate, tb, args) -> list[dict]:
     import numpy as np
+    rows = []
+    for mb in args.sizes_mb:
+        t = float(np.median(times[str(mb)]))
+        bound = wire_bound_seconds(mode, int(mb * (1 << 20)), args.workers, rate)
+        rows.append({"rate_mbit": rate, "mode": mode, "size_mb": mb, "median_s": t,
+                     "bound_s": bound, "qdisc": tb.qdisc, "reps": args.reps,
+                     "workers": args.workers, "times_s": times[str(mb)]})
+    for key in ("seconds", "transport"):
+        if key in times:
+            rows[-1][key] = times[key]
+    return rows
+
+
+def run_benchmark(args) -> list[dict]:
     from tqdm import tqdm
 
     from host.netem import NetnsTestbed
     rows = []
+    bridged = [m for m in args.modes if m != "thc-dpdk"]
     bar = tqdm(total=len(args.rates_mbit) * len(args.modes), desc="bench_allreduce")
     for rate in args.rates_mbit:
-        with NetnsTestbed(args.workers, rate) as tb, tempfile.TemporaryDirectory() as tmp:
-            tmp = Path(tmp)
-            agg = None
-            if "thc-agg" in args.modes:
-                cfg = _job_config([tb.host_ip(w) for w in range(args.workers)], args.pool_size)
-                cfg.save(tmp / "switch.json")
-                agg = tb.popen_switch([sys.executable, "-m", "dataplane.udp_service",
-                                       "--config", str(tmp / "switch.json"),
-                                       "--host", tb.switch_ip, "--port", str(AGG_PORT)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=dict(os.environ, PYTHONPATH=str(
-                                          Path(__file__).resolve().parents[1])))
-                agg.stdout.readline()                 # "serving ..." once it is bound
-            try:
-                for mode in args.modes:
-                    times = _run_mode(tb, mode, args, tmp)
-                    for mb in args.sizes_mb:
-                        t = float(np.median(times[str(mb)]))
-                        bound = wire_bound_seconds(mode, int(mb * (1 << 20)), args.workers, rate)
-                        rows.append({"rate_mbit": rate, "mode": mode, "size_mb": mb,
-                                     "median_s": t, "bound_s": bound, "qdisc": tb.qdisc,
-                                     "reps": args.reps, "workers": args.workers})
+        if bridged:
+            with NetnsTestbed(args.workers, rate) as tb, tempfile.TemporaryDirectory() as tmp:
+                agg = _start_reference(tb, args, Path(tmp)) if "thc-agg" in bridged else None
+                try:
+                    for mode in bridged:
+                        rows += _rows(_run_mode(tb, mode, args, Path(tmp)), mode, rate, tb, args)
+                        bar.update(1)
+                finally:
+                    _stop(agg)
+        if "thc-dpdk" in args.modes:
+            with NetnsTestbed(args.workers, rate, switch="ports") as tb, \
+                    tempfile.TemporaryDirectory() as tmp:
+                switch = _start_dpdk(tb, args, Path(tmp))
+                try:
+                    rows += _rows(_run_mode(tb, "thc-dpdk", args, Path(tmp)), "thc-dpdk", rate,
+                                  tb, args)
                     bar.update(1)
-            finally:
-                if agg:
-                    agg.terminate()
-                    agg.wait(10)
+                finally:
+                    _stop(switch)
+                stats = Path(tmp) / "dpdk_stats.json"
+                if stats.exists():
+                    full = json.loads(stats.read_text())
+                    rows[-1]["switch_stats"] = full.get("global")
+                    rows[-1]["switch_ports"] = full.get("ports")
     bar.close()
     return rows
 
@@ -198,6 +277,8 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--pool-size", type=int, default=256)
+    ap.add_argument("--switch-ring", type=int, default=4096,
+                    help="thc-dpdk: frames in each af_packet ring of the switch")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mode and rate")
     ap.add_argument("--json", help="write the rows to this file")
     # worker-side (internal)
@@ -214,10 +295,16 @@ def parse_args(argv=None):
     args.rates_mbit = [float(r) for r in str(args.rates_mbit).split(",")] \
         if isinstance(args.rates_mbit, str) else args.rates_mbit
     args.modes = [m for m in str(args.modes).split(",") if m]
+    if not args.worker and "thc-dpdk" in args.modes:
+        from dataplane.dpdk_runner import SWITCH_BIN
+        if not SWITCH_BIN.is_file():
+            print(f"bench_allreduce: no thc-dpdk column: {SWITCH_BIN} is not built "
+                  "(make build)", file=sys.stderr)
+            args.modes.remove("thc-dpdk")
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         ap.error(f"unknown modes {bad}; choose from {MODES}")
-    if not args.worker and args.workers * 30 > 255 and "thc-agg" in args.modes:
+    if not args.worker and args.workers * 30 > 255 and set(AGG_MODES) & set(args.modes):
         ap.error("thc-agg: at most 8 workers fit the 8-bit switch lanes")
     return args
 

@@ -7,7 +7,9 @@ N worker processes (torch.multiprocessing, gloo process group) train the same ML
 scikit-learn's digits (bundled with the package, no download), each on its own shard. Each
 run uses a DDP model; the THC run attaches the THC comm hook (host.ddp_hook), the baseline
 run DDP's own fp32 allreduce. With --aggregator reference the embedded reference aggregator
-(dataplane.udp_service) serves the job on loopback; HOST:PORT uses an aggregator that is
+(dataplane.udp_service) serves the job on loopback; with --aggregator dpdk the DPDK switch
+(make build; root) serves it behind a tap interface (dataplane.dpdk_runner.TapService; its
+final counters go to OUT_DIR/main_job_dpdk_stats.json); HOST:PORT uses an aggregator that is
 already running with this job's description:
 
     python -m host.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000 --write-job-config
@@ -226,10 +228,7 @@ def start_aggregator(args):
         service = serve(config, "127.0.0.1", 0, process=True)
         return service.address, members, service.stop
     if args.aggregator == "dpdk":
-        raise SystemExit("--aggregator dpdk: the DPDK switch runs here only on pcap files "
-                         "(dataplane/dpdk_runner.py), not as a live UDP aggregator; use "
-                         "--aggregator reference, or run it on real/virtual NICs and pass "
-                         "HOST:PORT")
+        return start_dpdk_switch(args)
     from host.transport import parse_address
     host, port = parse_address(args.aggregator)
     members = _member_addresses(args, host)
@@ -242,6 +241,52 @@ def start_aggregator(args):
         raise SystemExit(0)
     print(f"using the aggregator at {host}:{port} (job description: {path})")
     return (host, port), members, lambda: None
+
+
+def dpdk_unavailable() -> str | None:
+    """Why the embedded DPDK switch cannot run here (None when it can)."""
+    from dataplane.dpdk_runner import SWITCH_BIN
+    if not SWITCH_BIN.is_file():
+        return f"{SWITCH_BIN} is not built: run `make build` (needs libdpdk-dev)"
+    if os.geteuid() != 0:
+        return "the DPDK switch needs root (EAL, and a tap interface for the workers)"
+    if not os.path.exists("/dev/net/tun"):
+        return "no /dev/net/tun: the DPDK switch reaches the workers through a tap interface"
+    return None
+
+
+def start_dpdk_switch(args):
+    """The DPDK switch (dataplane/dpdk/build/thc_switch) behind a kernel tap: the workers
+    are UDP sockets on this host bound to the tap's address (every member on switch port
+    0, one MAC/IP, its own UDP port); they reach the switch's IP through the tap."""
+    from dataplane.config import Job, Member, SwitchConfig
+    from dataplane.dpdk_runner import SwitchError, TapService
+    from host.ddp_hook import free_udp_port
+    reason = dpdk_unavailable()
+    if reason:
+        raise SystemExit(f"--aggregator dpdk: {reason}; or use --aggregator reference")
+    # A subnet and tap name of this process, so two main jobs do not collide.
+    net = f"10.214.{os.getpid() % 250}"
+    host_ip, switch_ip = f"{net}.1", f"{net}.254"
+    ports = [free_udp_port("0.0.0.0") for _ in range(args.workers)]
+    mems = tuple(Member(worker=w, port=0, mac="02:00:00:00:d0:01", ip=host_ip, udp_port=p)
+                 for w, p in enumerate(ports))
+    config = SwitchConfig(mac="02:00:00:00:d0:fe", ip=switch_ip,
+                          jobs=(Job.from_thc(args.job, args.pool_size, mems),)).validate()
+    service = TapService(config, tap=f"thcmj{os.getpid() % 100000}")
+    try:
+        service.start()
+    except SwitchError as exc:
+        raise SystemExit(f"--aggregator dpdk: {exc}") from exc
+    stats = {}
+
+    def stop():
+        stats.update(service.stop() or {})
+        path = Path(args.out_dir) / "main_job_dpdk_stats.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(stats, indent=1))
+    print(f"DPDK switch at {switch_ip}:50000 behind tap {service.tap}")
+    return (switch_ip, 50000), [(host_ip, p) for p in ports], stop
 
 
 def run_workers(args, aggregator, members):

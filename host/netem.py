@@ -135,18 +135,29 @@ def _run(*argv, check=True) -> subprocess.CompletedProcess:
 class NetnsTestbed:
     """num_hosts namespaces on a bridge; every link shaped to rate_mbit (both directions).
 
-    Host i has address `host_ip(i)` (10.77.x.(i+1)); the bridge (switch namespace) has
-    `switch_ip`. Use `popen(i, argv)` / `popen_switch(argv)` to run programs inside.
+    Host i has address `host_ip(i)` (10.77.x.(i+1)) and MAC `host_mac(i)`; the bridge
+    (switch namespace) has `switch_ip`. Use `popen(i, argv)` / `popen_switch(argv)` to run
+    programs inside.
+
+    switch="ports": no bridge on the data links; host i's link ends bare as
+    `switch_port(i)` in the switch namespace, for a data plane process to attach to (the
+    DPDK switch with net_af_packet), still shaped both ways. Hosts reach `switch_ip` through
+    a static neighbour entry (`switch_mac`), and talk to each other (process group, control)
+    over an unshaped second network, `control_ip(i)` on each host's `ctl0`.
     """
 
     def __init__(self, num_hosts: int, rate_mbit: float, delay_ms: float = 0.0,
-                 loss: float = 0.0, subnet: int = 77):
+                 loss: float = 0.0, subnet: int = 77, switch: str = "bridge"):
         if not 1 <= num_hosts <= 200:
             raise ValueError("num_hosts must be in 1..200")
         if rate_mbit <= 0:
             raise ValueError("rate_mbit must be positive")
         if shutil.which("ip") is None or shutil.which("tc") is None:
             raise NetemUnavailable("iproute2 (ip, tc) is not installed: apt-get install iproute2")
+        if switch not in ("bridge", "ports"):
+            raise ValueError("switch must be 'bridge' (a Linux bridge) or 'ports' (bare switch "
+                             "ports for a data plane process such as the DPDK switch)")
+        self.switch = switch
         self.num_hosts, self.rate_mbit = num_hosts, rate_mbit
         self.delay_ms, self.loss = delay_ms, loss
         self.tag = uuid.uuid4().hex[:6]
@@ -154,11 +165,23 @@ class NetnsTestbed:
         self.switch_ns = f"thc{self.tag}sw"
         self.host_ns = [f"thc{self.tag}h{i}" for i in range(num_hosts)]
         self.switch_ip = f"10.{subnet}.0.254"
+        self.switch_mac = "02:00:00:00:00:fe"   # ports mode: the data plane's MAC
         self.qdisc = None
         self._created: list[str] = []
 
     def host_ip(self, i: int) -> str:
         return f"10.{self.subnet}.0.{i + 1}"
+
+    def host_mac(self, i: int) -> str:
+        return f"02:00:00:{self.subnet:02x}:00:{i + 1:02x}"
+
+    def control_ip(self, i: int) -> str:
+        """ports mode: host i on the unshaped control network (process group, barriers)."""
+        return f"10.{self.subnet + 1}.0.{i + 1}"
+
+    def switch_port(self, i: int) -> str:
+        """ports mode: the switch-namespace interface of host i's link (switch port i)."""
+        return f"t{self.tag}s{i}"
 
     def __enter__(self):
         try:
@@ -179,24 +202,50 @@ class NetnsTestbed:
         _run("ip", "netns", "add", sw)
         self._created.append(sw)
         self._ns(sw, "ip", "link", "set", "lo", "up")
+        # bridge: br0 joins the host links (the switch namespace owns switch_ip on it).
+        # ports: the host links end bare in the switch namespace (a data plane process
+        # attaches to them), and br0 is a separate unshaped control network instead.
         self._ns(sw, "ip", "link", "add", "br0", "type", "bridge")
-        self._ns(sw, "ip", "addr", "add", f"{self.switch_ip}/24", "dev", "br0")
+        if self.switch == "bridge":
+            self._ns(sw, "ip", "addr", "add", f"{self.switch_ip}/24", "dev", "br0")
         self._ns(sw, "ip", "link", "set", "br0", "up")
         for i, ns in enumerate(self.host_ns):
             _run("ip", "netns", "add", ns)
             self._created.append(ns)
-            host_end, sw_end = f"t{self.tag}h{i}", f"t{self.tag}s{i}"
+            host_end, sw_end = f"t{self.tag}h{i}", self.switch_port(i)
             _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", sw_end)
             _run("ip", "link", "set", host_end, "netns", ns)
             _run("ip", "link", "set", sw_end, "netns", sw)
             self._ns(ns, "ip", "link", "set", host_end, "name", "eth0")
+            self._ns(ns, "ip", "link", "set", "eth0", "address", self.host_mac(i))
             self._ns(ns, "ip", "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0")
             self._ns(ns, "ip", "link", "set", "eth0", "up")
             self._ns(ns, "ip", "link", "set", "lo", "up")
-            self._ns(sw, "ip", "link", "set", sw_end, "master", "br0")
+            if self.switch == "bridge":
+                self._ns(sw, "ip", "link", "set", sw_end, "master", "br0")
+            else:
+                self._ports_host(i, ns, sw_end)
             self._ns(sw, "ip", "link", "set", sw_end, "up")
             self._shape(ns, "eth0")            # host -> switch
             self._shape(sw, sw_end)            # switch -> host
+
+    def _ports_host(self, i: int, ns: str, sw_end: str) -> None:
+        sw = self.switch_ns
+        # The switch port carries only the data plane's traffic: no IPv6 chatter, and a
+        # static neighbour entry for the switch (a data plane answers no ARP).
+        self._ns(sw, "sysctl", "-qw", f"net.ipv6.conf.{sw_end}.disable_ipv6=1")
+        self._ns(ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+        self._ns(ns, "ip", "neigh", "replace", self.switch_ip, "lladdr", self.switch_mac,
+                 "dev", "eth0", "nud", "permanent")
+        host_ctl, sw_ctl = f"t{self.tag}c{i}", f"t{self.tag}k{i}"
+        _run("ip", "link", "add", host_ctl, "type", "veth", "peer", "name", sw_ctl)
+        _run("ip", "link", "set", host_ctl, "netns", ns)
+        _run("ip", "link", "set", sw_ctl, "netns", sw)
+        self._ns(ns, "ip", "link", "set", host_ctl, "name", "ctl0")
+        self._ns(ns, "ip", "addr", "add", f"{self.control_ip(i)}/24", "dev", "ctl0")
+        self._ns(ns, "ip", "link", "set", "ctl0", "up")
+        self._ns(sw, "ip", "link", "set", sw_ctl, "master", "br0")
+        self._ns(sw, "ip", "link", "set", sw_ctl, "up")
 
     def _shape(self, ns: str, dev: str) -> None:
         rate = f"{self.rate_mbit}mbit"

@@ -1,8 +1,11 @@
-"""The main job end to end: real worker processes, the embedded reference aggregator."""
+"""The main job end to end: real worker processes, the embedded reference aggregator or
+the DPDK switch."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,5 +37,26 @@ def test_main_job_refuses_bad_options():
     assert res.returncode != 0 and "at most 8 workers" in res.stderr
     res = run_main_job("--compressor", "zip", timeout=60)
     assert res.returncode != 0 and "invalid choice" in res.stderr
-    res = run_main_job("--aggregator", "dpdk", "--steps", "1", timeout=60)
-    assert res.returncode != 0 and "--aggregator reference" in res.stderr
+    res = run_main_job("--aggregator", "nohost", "--steps", "1", timeout=60)
+    assert res.returncode != 0 and "--worker-port-base" in res.stderr
+
+
+def test_main_job_with_the_dpdk_switch(tmp_path):
+    """--aggregator dpdk: the real DPDK switch behind a tap aggregates every step."""
+    from host.main_job import dpdk_unavailable
+    reason = dpdk_unavailable()
+    if reason:
+        pytest.skip(reason)
+    res = run_main_job("--aggregator", "dpdk", "--workers", "2", "--steps", "30", "--hidden",
+                       "64", "--eval-every", "10", "--no-baseline", "--out-dir", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "DPDK switch at" in res.stdout
+    summary = json.loads((tmp_path / "main_job.json").read_text())["runs"]
+    assert summary["thc"]["test_acc"] > 0.8
+    stats = json.loads((tmp_path / "main_job_dpdk_stats.json").read_text())
+    job = stats["jobs"]["1"]
+    # Every chunk of every step went through the switch: 2 contributions, 1 result each.
+    results = summary["thc"]["transport"]["results_accepted"]
+    assert job["results_multicast"] >= results > 0
+    assert job["aggregated"] >= 2 * results
+    assert job["drop_not_member"] == 0 and job["drop_bad_slot"] == 0

@@ -54,8 +54,10 @@ def test_delay_without_netem_is_refused_or_applied():
 @pytest.mark.slow
 def test_benchmark_runs_modes_side_by_side(tmp_path):
     out = tmp_path / "bench.json"
+    # 2 MB: the tbf bucket (500 KB at 1 Gbit/s) must hold well under half of the ring's
+    # 2 MB per direction, or a fast run beats half the wire bound on the burst alone.
     res = subprocess.run([sys.executable, "-m", "host.bench_allreduce", "--workers", "2",
-                          "--sizes-mb", "0.25", "--rates-mbit", "1000", "--reps", "1",
+                          "--sizes-mb", "2", "--rates-mbit", "1000", "--reps", "1",
                           "--modes", "thc-agg,fp32-gloo",   # thc-gloo: test_host_allreduce
                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                          timeout=400)
@@ -66,3 +68,22 @@ def test_benchmark_runs_modes_side_by_side(tmp_path):
         assert r["median_s"] > 0 and r["bound_s"] > 0
     fp32 = next(r for r in rows if r["mode"] == "fp32-gloo")
     assert fp32["median_s"] > 0.5 * fp32["bound_s"]      # the shaped link is the floor
+
+
+@pytest.mark.slow
+def test_benchmark_dpdk_switch_column(tmp_path):
+    """thc-dpdk: the DPDK switch on the workers' shaped links aggregates every chunk."""
+    from dataplane.dpdk_runner import SWITCH_BIN
+    if not SWITCH_BIN.is_file():
+        pytest.skip(f"{SWITCH_BIN} is not built (make build)")
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, "-m", "host.bench_allreduce", "--workers", "2",
+                          "--sizes-mb", "0.25", "--rates-mbit", "1000", "--reps", "1",
+                          "--modes", "thc-dpdk", "--json", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["thc-dpdk"]
+    assert rows[0]["median_s"] > 0 and rows[0]["bound_s"] > 0
+    drops = {k: v for k, v in rows[0]["switch_stats"].items() if k.startswith("drop")}
+    assert not any(drops.values()), drops

@@ -13,7 +13,8 @@ import thc
 from host.netem import LossyUdpRelay
 from host.packets import TYPE_DATA, TYPE_FLUSH, decode_headers, encode_results, header_types
 from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
-                            RetransmitTimer, StragglerNotice, constant_policy)
+                            RetransmitTimer, StragglerNotice, constant_policy,
+                            mmsg_available)
 
 from hosttest_util import TABLE, aggregator, pack, random_indices  # noqa: F401 (fixture)
 
@@ -44,10 +45,24 @@ def transports(svc_address, addresses, pool_size, **kw):
             for w in range(n)]
 
 
-def test_sums_exact_for_random_indices(aggregator):
+def one_datagram_per_syscall(t: AggregatorTransport) -> AggregatorTransport:
+    """Switch a transport to its fallback path (send/recv_into loops, no sendmmsg)."""
+    t._mmsg = False
+    return t
+
+
+SYSCALL_PATHS = pytest.mark.parametrize("batched", [True, False], ids=["mmsg", "loop"])
+
+
+@SYSCALL_PATHS
+def test_sums_exact_for_random_indices(aggregator, batched):
+    if batched and not mmsg_available():
+        pytest.skip("no sendmmsg/recvmmsg here (not Linux/glibc)")
     n, d, vpp, pool = 3, 5001, 256, 4
     svc, addrs = aggregator(n, pool)
     ts = transports(svc.address, addrs, pool, values_per_packet=vpp, timeout=10)
+    if not batched:
+        ts = [one_datagram_per_syscall(t) for t in ts]
     for t in ts:
         t.flush()
     for tensor, seed in enumerate([1, 2]):
@@ -240,7 +255,10 @@ def test_duplicates_reorder_and_garbage_are_ignored():
     assert t.stats.duplicates >= 1 or t.stats.results_accepted == 3
 
 
-def test_policy_sets_dscp_and_ecn_per_packet():
+@SYSCALL_PATHS
+def test_policy_sets_dscp_and_ecn_per_packet(batched):
+    if batched and not mmsg_available():
+        pytest.skip("no sendmmsg/recvmmsg here (not Linux/glibc)")
     agg = FakeAggregatorSocket()
 
     def policy(*, layer, num_layers, values, values_per_packet, num_packets):
@@ -249,6 +267,8 @@ def test_policy_sets_dscp_and_ecn_per_packet():
         return dscp, ecn
     t = AggregatorTransport(agg.address, job=1, worker=0, expected=1, pool_size=8,
                             values_per_packet=2, timeout=0.5, policy=policy)
+    if not batched:
+        one_datagram_per_syscall(t)
     with pytest.raises(AggregatorTimeout):
         t.allreduce(np.zeros(3, np.uint8), 6, 0)           # nobody answers: fine here
     tos = {}
