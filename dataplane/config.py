@@ -152,11 +152,42 @@ class Dlcp:
         return self.dscp_map.get(dscp, (0, False))
 
 
+MAX_NEXT_HOPS = 8             # next hops per route (docs/protocol.md §7)
+MAX_SWITCH_PORT = 511
+
+
 @dataclass(frozen=True)
 class Route:
     prefix: str                # "10.0.0.0/24"
     port: int
     mac: str                   # next-hop MAC
+    # Further equal-cost next hops (port, mac): ordinary packets are sprayed round-robin
+    # over next_hops, in order (docs/protocol.md §7). Empty: a single next hop.
+    extra_hops: tuple[tuple[int, str], ...] = ()
+
+    def __post_init__(self):
+        # JSON gives lists; keep the frozen Route hashable and comparable.
+        object.__setattr__(self, "extra_hops",
+                           tuple((int(p), str(m)) for p, m in self.extra_hops))
+
+    @property
+    def next_hops(self) -> tuple[tuple[int, str], ...]:
+        return ((self.port, self.mac),) + self.extra_hops
+
+    def validate(self) -> None:
+        try:
+            ipaddress.IPv4Network(self.prefix)
+        except ValueError as exc:
+            raise ConfigError(f"route {self.prefix!r}: not an IPv4 prefix") from exc
+        hops = self.next_hops
+        if len(hops) > MAX_NEXT_HOPS:
+            raise ConfigError(f"route {self.prefix}: {len(hops)} next hops; at most "
+                              f"{MAX_NEXT_HOPS} (drop some extra_hops)")
+        for port, mac in hops:
+            if not 0 <= port <= MAX_SWITCH_PORT:
+                raise ConfigError(f"route {self.prefix}: next-hop port {port} must be in "
+                                  f"0..{MAX_SWITCH_PORT}")
+            _check_mac(mac, f"route {self.prefix}")
 
 
 @dataclass(frozen=True)
@@ -177,11 +208,7 @@ class SwitchConfig:
             j.validate(max_slots)
         self.dlcp.validate()
         for r in self.routes:
-            try:
-                ipaddress.IPv4Network(r.prefix)
-            except ValueError as exc:
-                raise ConfigError(f"route {r.prefix!r}: not an IPv4 prefix") from exc
-            _check_mac(r.mac, f"route {r.prefix}")
+            r.validate()
         return self
 
     def job(self, job_id: int) -> Job:

@@ -30,8 +30,10 @@ def render(config: SwitchConfig) -> str:
                 raise ConfigError(f"job {job.job} worker {m.worker}: switch port {m.port} "
                                   f"exceeds the DPDK switch's {DPDK_MAX_PORTS} ports")
     for r in config.routes:
-        if not 0 <= r.port < DPDK_MAX_PORTS:
-            raise ConfigError(f"route {r.prefix}: port {r.port} must be in 0..{DPDK_MAX_PORTS - 1}")
+        for port, _ in r.next_hops:
+            if not 0 <= port < DPDK_MAX_PORTS:
+                raise ConfigError(f"route {r.prefix}: port {port} must be in "
+                                  f"0..{DPDK_MAX_PORTS - 1}")
 
     lines = ["# THC-INA DPDK switch configuration (written by dataplane/dpdk_config.py)",
              f"switch {config.mac} {config.ip}",
@@ -46,7 +48,8 @@ def render(config: SwitchConfig) -> str:
             lines.append(f"member {job.job} {m.worker} {m.port} {m.mac} {m.ip} {m.udp_port}")
     for r in config.routes:
         net = ipaddress.IPv4Network(r.prefix, strict=False)
-        lines.append(f"route {net.network_address}/{net.prefixlen} {r.port} {r.mac}")
+        hops = " ".join(f"{port} {mac}" for port, mac in r.next_hops)
+        lines.append(f"route {net.network_address}/{net.prefixlen} {hops}")
     return "\n".join(lines) + "\n"
 
 

@@ -92,7 +92,7 @@ def eal_args(vdevs: list[str]) -> list[str]:
 
 def num_ports_for(config: SwitchConfig, ingress_ports=()) -> int:
     ports = [m.port for j in config.jobs for m in j.members]
-    ports += [r.port for r in config.routes] + list(ingress_ports)
+    ports += [port for r in config.routes for port, _ in r.next_hops] + list(ingress_ports)
     return max(ports, default=0) + 1
 
 

@@ -154,11 +154,14 @@ class ReferenceSwitch:
         self.global_counters = dict.fromkeys(GLOBAL_COUNTERS, 0)
         self._mac = bytes.fromhex(config.mac.replace(":", ""))
         self._ip = ipaddress.IPv4Address(config.ip).packed
+        # (network, mask, prefix length, route index, next hops [(port, MAC bytes)])
         self._routes = sorted(
-            ((int(net.network_address), int(net.netmask), net.prefixlen, r.port,
-              bytes.fromhex(r.mac.replace(":", "")))
-             for r in config.routes for net in [ipaddress.IPv4Network(r.prefix)]),
+            ((int(net.network_address), int(net.netmask), net.prefixlen, i,
+              [(port, bytes.fromhex(mac.replace(":", ""))) for port, mac in r.next_hops])
+             for i, r in enumerate(config.routes) for net in [ipaddress.IPv4Network(r.prefix)]),
             key=lambda route: -route[2])
+        # Per-route round-robin position: the next hop the next matching packet takes (§7).
+        self._route_turn = [0] * len(config.routes)
         self._dscp_map = [config.dlcp.classify(d) for d in range(64)]
         self._thresholds = config.dlcp.thresholds
         self._capacity = config.dlcp.capacity
@@ -242,9 +245,13 @@ class ReferenceSwitch:
             self.global_counters["drop_not_routable"] += 1
             return []
         dst = int.from_bytes(frame[30:34], "big")
-        for network, mask, _, egress, mac in self._routes:
+        for network, mask, _, index, hops in self._routes:
             if dst & mask == network:
                 self.global_counters["forwarded"] += 1
+                # Packet spraying: successive packets take the next hops in turn (§7).
+                turn = self._route_turn[index]
+                self._route_turn[index] = (turn + 1) % len(hops)
+                egress, mac = hops[turn]
                 # Layer 2 rewrite only: the IPv4 header is left as it is (§7).
                 return [(egress, mac + self._mac + frame[12:])]
         self.global_counters["drop_not_routable"] += 1

@@ -34,6 +34,8 @@ INDEX_BYTES = BMV2_MAX_VALUES // 2
 BMV2_MAX_JOBS = 16
 BMV2_SLOT_BUDGET = 4096        # slots of all jobs together (two copies each)
 JOB_COUNTER_STRIDE = 16
+BMV2_MAX_ROUTES = 1024         # MAX_ROUTES in forwarding.p4
+BMV2_NEXT_HOP_SLOTS = 8192     # MAX_NEXT_HOP_SLOTS in forwarding.p4
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 P4_SOURCE = REPO_ROOT / "p4src" / "v1model" / "main.p4"
@@ -45,6 +47,7 @@ DEFAULT_P4INFO = BUILD_DIR / "main.p4info.txt"
 T_JOBS = "SwitchIngress.job_membership.jobs"
 T_MEMBERS = "SwitchIngress.job_membership.members"
 T_ROUTES = "SwitchIngress.ipv4_forwarding.routes"
+T_NEXT_HOPS = "SwitchIngress.ipv4_forwarding.next_hops"
 T_DSCP = "SwitchIngress.dlcp_classify.dscp_to_queue"
 T_QUEUE_LIMITS = "SwitchEgress.dlcp_admission.queue_limits"
 T_MEMBER_ADDRESSES = "SwitchEgress.member_addressing.member_addresses"
@@ -197,12 +200,29 @@ def dlcp_entries(config: SwitchConfig) -> list[Entry]:
 
 
 def route_entries(config: SwitchConfig) -> list[Entry]:
-    entries = []
-    for r in config.routes:
+    """One LPM entry per route naming its next-hop group, one entry per next hop.
+
+    Route i owns the round-robin register cell i and the next_hops entries
+    group_base .. group_base + k - 1, in the route's next-hop order (protocol.md §7)."""
+    if len(config.routes) > BMV2_MAX_ROUTES:
+        raise ConfigError(f"{len(config.routes)} routes; the BMv2 program holds at most "
+                          f"{BMV2_MAX_ROUTES}")
+    entries, group_base = [], 0
+    for index, r in enumerate(config.routes):
         net = ipaddress.IPv4Network(r.prefix, strict=False)
+        hops = r.next_hops
         entries.append(_entry(T_ROUTES, {"hdr.ipv4.dst_addr": str(net)},
-                              "SwitchIngress.ipv4_forwarding.forward",
-                              {"port": r.port, "next_hop_mac": r.mac, "switch_mac": config.mac}))
+                              "SwitchIngress.ipv4_forwarding.spray",
+                              {"route_index": index, "group_base": group_base,
+                               "group_size": len(hops), "switch_mac": config.mac}))
+        for offset, (port, mac) in enumerate(hops):
+            entries.append(_entry(T_NEXT_HOPS, {"next_hop_index": group_base + offset},
+                                  "SwitchIngress.ipv4_forwarding.set_next_hop",
+                                  {"port": port, "next_hop_mac": mac}))
+        group_base += len(hops)
+    if group_base > BMV2_NEXT_HOP_SLOTS:
+        raise ConfigError(f"{group_base} next hops in all routes; the BMv2 program holds at "
+                          f"most {BMV2_NEXT_HOP_SLOTS}")
     return entries
 
 

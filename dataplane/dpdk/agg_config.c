@@ -9,7 +9,8 @@
  *   dscp      <dscp 0-63> <queue 0-7> <is_data 0|1>     (first one clears the default map)
  *   job       <id> <pool_size> <t0> ... <t15>
  *   member    <job> <worker> <port> <mac> <ipv4> <udp_port>
- *   route     <a.b.c.d/len> <port> <next-hop mac>
+ *   route     <a.b.c.d/len> <port> <next-hop mac> [<port> <next-hop mac>]...
+ *             (up to AGG_MAX_NEXT_HOPS equal-cost next hops, sprayed round-robin)
  *
  * Everything docs/protocol.md §3 says set-up refuses is refused here too, with a
  * message naming the line and what to change.
@@ -218,20 +219,32 @@ static int directive_route(struct parse_ctx *c, char **t, int n)
 	struct agg_switch *sw = c->sw;
 	struct agg_route r;
 	unsigned long depth, port;
-	char *slash = n == 4 ? strchr(t[1], '/') : NULL;
+	char *slash = n >= 4 && n % 2 == 0 ? strchr(t[1], '/') : NULL;
 	if (slash == NULL)
-		return fail(c, "expected 'route <a.b.c.d/len> <port> <next-hop mac>'");
+		return fail(c, "expected 'route <a.b.c.d/len> <port> <next-hop mac> "
+			    "[<port> <next-hop mac>]...'");
 	*slash = '\0';
 	if (parse_ipv4(t[1], &r.prefix) < 0 || parse_uint(slash + 1, 32, &depth) < 0)
 		return fail(c, "route '%s/%s' is not an IPv4 prefix", t[1], slash + 1);
-	if (parse_uint(t[2], AGG_MAX_PORTS - 1, &port) < 0)
-		return fail(c, "route %s/%lu: port '%s' must be in 0..%u", t[1], depth, t[2],
-			    AGG_MAX_PORTS - 1);
-	if (parse_mac(t[3], r.mac) < 0)
-		return fail(c, "route %s/%lu: '%s' is not a MAC address", t[1], depth, t[3]);
+	memset(r.hops, 0, sizeof(r.hops));
+	r.num_hops = 0;
+	r.next_turn = 0;
+	for (int i = 2; i + 1 < n; i += 2) {
+		if (r.num_hops == AGG_MAX_NEXT_HOPS)
+			return fail(c, "route %s/%lu: more than %u next hops", t[1], depth,
+				    AGG_MAX_NEXT_HOPS);
+		struct agg_next_hop *hop = &r.hops[r.num_hops];
+		if (parse_uint(t[i], AGG_MAX_PORTS - 1, &port) < 0)
+			return fail(c, "route %s/%lu: port '%s' must be in 0..%u", t[1], depth,
+				    t[i], AGG_MAX_PORTS - 1);
+		if (parse_mac(t[i + 1], hop->mac) < 0)
+			return fail(c, "route %s/%lu: '%s' is not a MAC address", t[1], depth,
+				    t[i + 1]);
+		hop->port = (uint16_t)port;
+		r.num_hops++;
+	}
 	r.depth = (uint8_t)depth;
 	r.prefix &= depth ? ~0u << (32 - depth) : 0;
-	r.port = (uint16_t)port;
 	struct agg_route *routes = realloc(sw->routes, (sw->num_routes + 1) * sizeof(*routes));
 	if (routes == NULL)
 		return fail(c, "out of memory");
@@ -244,7 +257,8 @@ static int directive_route(struct parse_ctx *c, char **t, int n)
 	routes[pos] = r;
 	sw->routes = routes;
 	sw->num_routes++;
-	note_port(sw, r.port);
+	for (uint8_t i = 0; i < r.num_hops; i++)
+		note_port(sw, r.hops[i].port);
 	return 0;
 }
 

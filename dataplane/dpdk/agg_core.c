@@ -594,10 +594,13 @@ static enum agg_verdict forward_ordinary(struct agg_switch *sw, uint8_t *frame, 
 		sw->g.drop_not_routable++;
 		return AGG_CONSUMED;
 	}
-	const struct agg_route *r = &sw->routes[idx];
-	memcpy(frame, r->mac, 6);
+	/* Packet spraying: successive packets of the route take its next hops in turn. */
+	struct agg_route *r = &sw->routes[idx];
+	const struct agg_next_hop *hop = &r->hops[r->next_turn];
+	r->next_turn = (uint8_t)(r->next_turn + 1 == r->num_hops ? 0 : r->next_turn + 1);
+	memcpy(frame, hop->mac, 6);
 	memcpy(frame + 6, sw->mac, 6);
-	*out_port = r->port;
+	*out_port = hop->port;
 	sw->g.forwarded++;
 	return AGG_FORWARD;
 }

@@ -108,11 +108,21 @@ struct agg_job {
 	struct agg_job_counters c;
 };
 
+#define AGG_MAX_NEXT_HOPS  8u
+
+struct agg_next_hop {
+	uint16_t port;
+	uint8_t  mac[6];
+};
+
+/* A route sprays its packets round-robin over its equal-cost next hops
+ * (protocol.md 7): next_turn is the hop the next matching packet takes. */
 struct agg_route {
 	uint32_t prefix;        /* host byte order, masked */
 	uint8_t  depth;
-	uint16_t port;
-	uint8_t  mac[6];        /* next-hop MAC */
+	uint8_t  num_hops;      /* 1..AGG_MAX_NEXT_HOPS */
+	uint8_t  next_turn;     /* 0..num_hops-1, 0 at set-up */
+	struct agg_next_hop hops[AGG_MAX_NEXT_HOPS];
 };
 
 struct agg_dscp_class {

@@ -69,7 +69,7 @@ static const char FUZZ_CONFIG[] =
 	"job 2 2 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15\n"
 	"member 2 3 2 02:00:00:00:02:04 10.0.2.36 41203\n"
 	"route 10.0.0.0/8 2 02:00:00:00:00:aa\n"
-	"route 10.1.0.0/16 3 02:00:00:00:00:bb\n";
+	"route 10.1.0.0/16 3 02:00:00:00:00:bb 4 02:00:00:00:00:cc 5 02:00:00:00:00:dd\n";
 
 static uint64_t slots_checksum(const struct agg_switch *sw)
 {

@@ -55,15 +55,31 @@ control JobMembership(in headers_t hdr,
     }
 }
 
+#define MAX_ROUTES          1024
+#define MAX_NEXT_HOP_SLOTS  8192        /* MAX_ROUTES x 8 next hops per route */
+
 /* Ordinary traffic: longest-prefix match on the destination; a layer-2 rewrite
- * only (the IPv4 header is left as it is, protocol.md 7). */
+ * only (the IPv4 header is left as it is, protocol.md 7). A route owns a group of
+ * equal-cost next hops (group_base .. group_base + group_size - 1 in next_hops) and
+ * sprays its packets over them round-robin: route_turn[route_index] is the group
+ * member the next packet takes, 0 at start. */
 control Ipv4Forwarding(inout headers_t hdr,
                        inout metadata_t meta,
                        inout standard_metadata_t standard_metadata,
                        out bool routed) {
-    action forward(port_id_t port, mac_addr_t next_hop_mac, mac_addr_t switch_mac) {
-        standard_metadata.egress_spec = port;
-        hdr.ethernet.dst_addr = next_hop_mac;
+    register<bit<32>>(MAX_ROUTES) route_turn;
+    bit<32> next_hop_index = 0;
+
+    /* Read, advance and write the route's turn in this one action: one BMv2 lock
+     * scope, so concurrent packets of a route never take the same turn. */
+    action spray(bit<32> route_index, bit<32> group_base, bit<32> group_size,
+                 mac_addr_t switch_mac) {
+        bit<32> turn;
+        route_turn.read(turn, route_index);
+        next_hop_index = group_base + turn;
+        /* branch-free, like the slot state machine: no control flow inside actions */
+        bit<32> next_turn = (turn + 1 >= group_size) ? 32w0 : turn + 1;
+        route_turn.write(route_index, next_turn);
         hdr.ethernet.src_addr = switch_mac;
         routed = true;
     }
@@ -74,15 +90,34 @@ control Ipv4Forwarding(inout headers_t hdr,
 
     table routes {
         key = { hdr.ipv4.dst_addr : lpm; }
-        actions = { forward; no_route; }
+        actions = { spray; no_route; }
         const default_action = no_route();
-        size = 1024;
+        size = MAX_ROUTES;
+    }
+
+    action set_next_hop(port_id_t port, mac_addr_t next_hop_mac) {
+        standard_metadata.egress_spec = port;
+        hdr.ethernet.dst_addr = next_hop_mac;
+    }
+
+    action missing_next_hop() {
+        routed = false;
+    }
+
+    table next_hops {
+        key = { next_hop_index : exact; }
+        actions = { set_next_hop; missing_next_hop; }
+        const default_action = missing_next_hop();
+        size = MAX_NEXT_HOP_SLOTS;
     }
 
     apply {
         routed = false;
         if (hdr.ipv4.isValid() && hdr.ipv4.version == 4) {
             routes.apply();
+            if (routed) {
+                next_hops.apply();
+            }
         }
     }
 }

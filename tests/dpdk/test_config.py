@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from dataplane.config import ConfigError, Job, SwitchConfig
+from dataplane.config import ConfigError, Job, Route, SwitchConfig
 from dataplane.dpdk_config import main as config_main
 from dataplane.dpdk_config import render, write_config
 from dataplane.dpdk_runner import eal_args
@@ -31,6 +31,17 @@ def test_written_file_lists_every_part_of_the_description():
     assert "route 10.0.0.0/8 4 02:00:00:00:00:a8" in text
     assert text.count("threshold ") == 8 and "capacity 64" in text
     assert "dscp 48 7 0" in text and "dscp 32 6 1" in text
+
+
+def test_equal_cost_next_hops_are_written_in_order_on_the_route_line():
+    spray = Route("10.3.0.0/16", 1, "02:00:00:00:03:01",
+                  extra_hops=((0, "02:00:00:00:03:02"), (4, "02:00:00:00:03:03")))
+    text = render(streams.config(n_workers=2, routes=(spray,)))
+    assert ("route 10.3.0.0/16 1 02:00:00:00:03:01 0 02:00:00:00:03:02 "
+            "4 02:00:00:00:03:03\n") in text
+    with pytest.raises(ConfigError, match="port 40 must be in 0..31"):
+        render(SwitchConfig(routes=(Route("10.4.0.0/16", 1, "02:00:00:00:04:01",
+                                          extra_hops=((40, "02:00:00:00:04:02"),)),)))
 
 
 def test_python_side_refuses_what_protocol_md_refuses():
@@ -73,6 +84,12 @@ BAD = {
     "not an IPv4 address": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
                            "member 1 0 0 02:00:00:00:01:01 10.1.0.300 40100",
     "unknown directive 'jbo'": "jbo 1",
+    "more than 8 next hops": "route 10.0.0.0/8 " + " ".join(
+        f"{p % 2} 02:00:00:00:00:{p:02x}" for p in range(9)),
+    "route 10.0.0.0/8: port '40' must be in": "route 10.0.0.0/8 0 02:00:00:00:00:01 "
+                                              "40 02:00:00:00:00:02",
+    "expected 'route <a.b.c.d/len> <port> <next-hop mac>": "route 10.0.0.0/8 0 "
+                                                           "02:00:00:00:00:01 1",
 }
 
 

@@ -103,7 +103,8 @@ def full_config() -> SwitchConfig:
     members = tuple(Member(w, w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.0.{w + 1}", 40000 + w)
                     for w in range(3))
     return SwitchConfig(jobs=(Job(1, 8, table, members),),
-                        routes=(Route("10.9.0.0/16", 1, "02:00:00:00:09:09"),)).validate()
+                        routes=(Route("10.9.0.0/16", 1, "02:00:00:00:09:09",
+                                      extra_hops=((2, "02:00:00:00:09:0a"),)),)).validate()
 
 
 def test_every_planned_entry_fits_the_program(source):
@@ -147,6 +148,20 @@ def test_state_machine_registers_are_touched_in_one_action(source):
         assert f"{reg}.write(first" in acts["flush_slot"], reg
     apply_body = body[body.rindex("apply"):]
     assert ".read(" not in apply_body and ".write(" not in apply_body
+
+
+def test_route_round_robin_register_is_read_and_written_in_one_action(source):
+    body = controls(source)["Ipv4Forwarding"]
+    (reg,) = re.findall(r"register<[^;]*?\)\s+(\w+)\s*;", body)
+    acts = {m.group(1): block_after(body, m.end() - 1)
+            for m in re.finditer(r"\baction\s+(\w+)\s*\([^)]*\)\s*\{", body)}
+    assert f"{reg}.read(" in acts["spray"] and f"{reg}.write(" in acts["spray"]
+    assert "next_hops.apply(" in body[body.rindex("apply {"):]
+    defines = {m.group(1): int(m.group(2))
+               for m in re.finditer(r"#define\s+(\w+)\s+(\d+)",
+                                    (P4_DIR / "forwarding.p4").read_text())}
+    assert defines["MAX_ROUTES"] == pc.BMV2_MAX_ROUTES
+    assert defines["MAX_NEXT_HOP_SLOTS"] == pc.BMV2_NEXT_HOP_SLOTS
 
 
 def test_agg_header_matches_the_wire_format(source):

@@ -109,10 +109,36 @@ def test_dlcp_map_and_thresholds():
 
 def test_routes_become_lpm_entries():
     cfg = config(routes=(Route("192.168.1.0/24", 2, "02:00:00:00:09:02"),))
-    (e,) = entries_of(pc.plan_switch(cfg), pc.T_ROUTES)
+    plan = pc.plan_switch(cfg)
+    (e,) = entries_of(plan, pc.T_ROUTES)
     assert dict(e.match) == {"hdr.ipv4.dst_addr": "192.168.1.0/24"}
-    assert dict(e.params) == {"port": "2", "next_hop_mac": "02:00:00:00:09:02",
+    assert dict(e.params) == {"route_index": "0", "group_base": "0", "group_size": "1",
                               "switch_mac": cfg.mac}
+    (hop,) = entries_of(plan, pc.T_NEXT_HOPS)
+    assert dict(hop.match) == {"next_hop_index": "0"}
+    assert dict(hop.params) == {"port": "2", "next_hop_mac": "02:00:00:00:09:02"}
+
+
+def test_equal_cost_next_hops_become_consecutive_group_entries():
+    spray = Route("10.2.0.0/16", 1, "02:00:00:00:02:01",
+                  extra_hops=((2, "02:00:00:00:02:02"), (3, "02:00:00:00:02:03")))
+    single = Route("10.3.0.0/16", 4, "02:00:00:00:03:01")
+    plan = pc.plan_switch(config(routes=(spray, single)))
+    routes = [dict(e.params) for e in entries_of(plan, pc.T_ROUTES)]
+    assert [(r["route_index"], r["group_base"], r["group_size"]) for r in routes] == \
+        [("0", "0", "3"), ("1", "3", "1")]
+    hops = {int(dict(e.match)["next_hop_index"]): (int(dict(e.params)["port"]),
+                                                    dict(e.params)["next_hop_mac"])
+            for e in entries_of(plan, pc.T_NEXT_HOPS)}
+    assert hops == {0: (1, "02:00:00:00:02:01"), 1: (2, "02:00:00:00:02:02"),
+                    2: (3, "02:00:00:00:02:03"), 3: (4, "02:00:00:00:03:01")}
+
+
+def test_too_many_next_hops_are_refused():
+    hops = tuple((p, f"02:00:00:00:05:{p:02x}") for p in range(1, 9))
+    with pytest.raises(ConfigError, match="at most 8"):
+        pc.plan_switch(config(routes=(Route("10.5.0.0/16", 0, "02:00:00:00:05:00",
+                                            extra_hops=hops),)))
 
 
 @pytest.mark.parametrize("pools, words", [((4097,), "pool_size"), ((3000, 2000), "4096")])

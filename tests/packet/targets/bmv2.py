@@ -129,7 +129,8 @@ class Bmv2Target(Target):
         if any(r < 0 for r in self._rates.values()):
             raise ValueError(f"service rates must be >= 0 packets/s, got {self._rates}")
         self._paused = [p for p, r in self._rates.items() if r == 0]
-        ports = {m.port for j in config.jobs for m in j.members} | {r.port for r in config.routes}
+        ports = {m.port for j in config.jobs for m in j.members}
+        ports |= {p for r in config.routes for p, _ in r.next_hops}
         ports |= set(self._rates)
         # every port up to the highest used (at least 8): scenarios also inject on
         # ports that no member owns (membership checks)
