@@ -42,6 +42,21 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)   # root may exceed rmem_
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
+def live_switch_skip_reason() -> str | None:
+    """Why the live DPDK-switch tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, AF_PACKET, DPDK EAL)"
+    try:
+        from dataplane import dpdk_runner
+    except ImportError as exc:
+        return f"dataplane.dpdk_runner not importable: {exc}"
+    if not dpdk_runner.SWITCH_BIN.exists():
+        ok, why = dpdk_runner.available()          # builds it when DPDK is installed
+        if not ok:
+            return f"DPDK switch not built ({dpdk_runner.SWITCH_BIN}): {why}"
+    return None
+
+
 class NetnsError(RuntimeError):
     """Setting up the namespaces failed; the message has the command and its error."""
 

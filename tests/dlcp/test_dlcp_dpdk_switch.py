@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 from dataplane.config import CONTROL_DSCP, Dlcp, band_to_dscp, default_thresholds
-from host.dlcp.dpdk_bottleneck import (ECN_CE, Capture, NetnsError, NetnsTestbed, Probe,
-                                       expected_paused, open_sender, send_probes,
-                                       verdict_counts)
+from host.dlcp.dpdk_bottleneck import (Capture, ECN_CE, NetnsError, NetnsTestbed, Probe,
+                                       expected_paused, live_switch_skip_reason, open_sender,
+                                       send_probes, verdict_counts)
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_ECT, ECT1, ECT0, CE = 0, 1, 2, 3
@@ -44,21 +44,7 @@ DLCP = Dlcp(thresholds=default_thresholds(8.0, 0.5), capacity=32)
 SWITCHBOX_RATE_PPS = 0.5       # the model cannot pause a port; see switchbox_run
 
 
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, AF_PACKET, DPDK EAL)"
-    try:
-        from dataplane import dpdk_runner
-    except ImportError as exc:
-        return f"dataplane.dpdk_runner not importable: {exc}"
-    if not dpdk_runner.SWITCH_BIN.exists():
-        ok, why = dpdk_runner.available()          # builds it when DPDK is installed
-        if not ok:
-            return f"DPDK switch not built ({dpdk_runner.SWITCH_BIN}): {why}"
-    return None
-
-
-SKIP_REASON = _skip_reason()
+SKIP_REASON = live_switch_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 

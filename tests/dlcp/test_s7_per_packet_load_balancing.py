@@ -21,8 +21,8 @@ import pytest
 
 from dataplane.config import Dlcp, Route, SwitchConfig
 from dataplane.reference import ReferenceSwitch
-from host.dlcp.dpdk_bottleneck import (PROBE_PORT, Capture, NetnsError, NetnsTestbed, Probe,
-                                       open_sender, send_probes)
+from host.dlcp.dpdk_bottleneck import (Capture, NetnsError, NetnsTestbed, PROBE_PORT, Probe,
+                                       live_switch_skip_reason, open_sender, send_probes)
 
 FLOW_DST = "10.77.50.7"
 SPRAY_PREFIX = "10.77.50.0/24"
@@ -31,18 +31,7 @@ TOLERANCE = 0.1            # each link's share within 1/k +- 10 %
 BEST_EFFORT = 0            # DSCP 0: queue 0, no selective drop on unlimited ports
 
 
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, AF_PACKET, DPDK EAL)"
-    from dataplane import dpdk_runner
-    if not dpdk_runner.SWITCH_BIN.exists():
-        ok, why = dpdk_runner.available()          # builds it when DPDK is installed
-        if not ok:
-            return f"DPDK switch not built ({dpdk_runner.SWITCH_BIN}): {why}"
-    return None
-
-
-SKIP_REASON = _skip_reason()
+SKIP_REASON = live_switch_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 
