@@ -285,6 +285,16 @@ static void drain_port(struct app *a, uint16_t port, uint64_t budget)
 	}
 }
 
+/* Send what the aggregation path buffered for port p (unlimited-rate results). */
+static inline void flush_txbuf(struct app *a, uint16_t p)
+{
+	struct port_state *ps = &a->ports[p];
+	if (ps->nb_txbuf) {
+		tx_all(a, p, ps->txbuf, ps->nb_txbuf);
+		ps->nb_txbuf = 0;
+	}
+}
+
 /* The DLCP service of every port: unlimited ports empty their queues, rated
  * ports send what their token bucket allows, paused ports wait for input_done. */
 static void service_ports(struct app *a)
@@ -293,10 +303,7 @@ static void service_ports(struct app *a)
 	free_consumed(a);
 	for (uint16_t p = 0; p < a->nb_ports; p++) {
 		struct port_state *ps = &a->ports[p];
-		if (ps->nb_txbuf) {
-			tx_all(a, p, ps->txbuf, ps->nb_txbuf);
-			ps->nb_txbuf = 0;
-		}
+		flush_txbuf(a, p);
 		if (ps->dlcp.queued == 0) {
 			ps->last_tsc = now;
 			continue;
@@ -323,11 +330,7 @@ static void drain_all(struct app *a)
 {
 	free_consumed(a);
 	for (uint16_t p = 0; p < a->nb_ports; p++) {
-		struct port_state *ps = &a->ports[p];
-		if (ps->nb_txbuf) {
-			tx_all(a, p, ps->txbuf, ps->nb_txbuf);
-			ps->nb_txbuf = 0;
-		}
+		flush_txbuf(a, p);
 		drain_port(a, p, UINT64_MAX);
 	}
 }
