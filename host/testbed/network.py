@@ -375,28 +375,26 @@ def _parse_host_output(out: str, err: str, rc: int) -> dict:
 TESTBED_LINK_RE = re.compile(r"^t\d{1,4}(s|a|h\d+)(-eth\d+)?$")
 
 
-def cleanup_leftovers() -> list[str]:
-    """After a testbed was killed (no finally ran): delete every link it may have left."""
+def _delete_links(matches) -> list[str]:
+    """Delete every network interface whose name `matches`; return the names deleted."""
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     removed = []
     for line in out.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        if TESTBED_LINK_RE.match(name):
+        if matches(name):
             subprocess.run(["ip", "link", "del", name], capture_output=True)
             removed.append(name)
     return removed
+
+
+def cleanup_leftovers() -> list[str]:
+    """After a testbed was killed (no finally ran): delete every link it may have left."""
+    return _delete_links(TESTBED_LINK_RE.match)
 
 
 def cleanup_interfaces(tag: str) -> list[str]:
     """mn -c for one testbed only: delete links and bridges whose names start with tag."""
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    removed = []
-    for line in out.splitlines():
-        name = line.split(":")[1].strip().split("@")[0]
-        if name.startswith(tag):
-            subprocess.run(["ip", "link", "del", name], capture_output=True)
-            removed.append(name)
-    return removed
+    return _delete_links(lambda name: name.startswith(tag))
 
 
 def run_testbed(opts: TestbedOptions, progress=None) -> TestbedResult:
