@@ -50,3 +50,19 @@ def pack(idx: np.ndarray) -> np.ndarray:
     if len(idx) % 2:
         idx = np.concatenate([idx, np.zeros(1, np.uint8)])
     return ((idx[0::2] << 4) | idx[1::2]).astype(np.uint8)
+
+
+class FakeAggregatorSocket:
+    """A plain socket playing the aggregator, so a test can send exact datagrams."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(5)
+        self.address = self.sock.getsockname()
+
+    def recv(self):
+        data, anc, _, source = self.sock.recvmsg(4096, socket.CMSG_SPACE(4))
+        tos = [c[2][0] for c in anc if c[0] == socket.IPPROTO_IP and c[1] == socket.IP_TOS]
+        return data, (tos[0] if tos else None), source

@@ -13,7 +13,7 @@ from host.ddp_hook import thc_hook_state
 from host.dlcp import DlcpPolicy, layer_band
 from host.packets import HEADER_LEN, TYPE_DATA, decode_headers, encode_results, header_types
 from host.transport import default_policy
-from hosttest_util import free_port
+from hosttest_util import FakeAggregatorSocket, free_port
 
 VALUES_PER_PACKET = 64
 TABLE = thc.THCCodec().table.astype(np.uint8)
@@ -27,11 +27,9 @@ class OneWorkerAggregator:
     """
 
     def __init__(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.address = self.sock.getsockname()
+        self.socket = FakeAggregatorSocket()
+        self.socket.sock.settimeout(0.2)     # the serve loop polls its stop flag
+        self.address = self.socket.address
         self.marks = []                      # (tensor, offset, dscp, ecn) of DATA packets
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -40,13 +38,12 @@ class OneWorkerAggregator:
     def _serve(self):
         while not self._stop.is_set():
             try:
-                data, anc, _, source = self.sock.recvmsg(4096, socket.CMSG_SPACE(4))
+                data, tos, source = self.socket.recv()
             except socket.timeout:
                 continue
             hdr = decode_headers([data])
             if header_types(hdr)[0] != TYPE_DATA:
                 continue                     # FLUSH at start: no reply
-            tos = next(c[2][0] for c in anc if c[1] == socket.IP_TOS)
             h = hdr[0]
             nv = int(h["num_values"])
             packed = np.frombuffer(data, np.uint8, offset=HEADER_LEN)
@@ -57,12 +54,12 @@ class OneWorkerAggregator:
                                         rounds=int(h["round"]), expected=int(h["expected"]),
                                         contributors=1, count=1,
                                         first_offset=int(h["offset"]))
-            self.sock.sendto(bufs[0, :lens[0]].tobytes(), source)
+            self.socket.sock.sendto(bufs[0, :lens[0]].tobytes(), source)
 
     def close(self):
         self._stop.set()
         self._thread.join(5)
-        self.sock.close()
+        self.socket.sock.close()
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUn
                             RetransmitTimer, StragglerNotice, constant_policy,
                             mmsg_available)
 
-from hosttest_util import TABLE, aggregator, pack, random_indices  # noqa: F401 (fixture)
+from hosttest_util import (TABLE, FakeAggregatorSocket, aggregator,  # noqa: F401 (fixture)
+                           pack, random_indices)
 
 
 def run_workers(n, fn):
@@ -205,22 +206,6 @@ def test_silent_aggregator_times_out_with_a_message():
         t.allreduce(np.zeros(10, np.uint8), 20, 0)
     assert 0.5 < time.monotonic() - t0 < 3
     silent.close()
-
-
-class FakeAggregatorSocket:
-    """A plain socket playing the aggregator, so a test can send exact datagrams."""
-
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.settimeout(5)
-        self.address = self.sock.getsockname()
-
-    def recv(self):
-        data, anc, _, source = self.sock.recvmsg(4096, socket.CMSG_SPACE(4))
-        tos = [c[2][0] for c in anc if c[0] == socket.IPPROTO_IP and c[1] == socket.IP_TOS]
-        return data, (tos[0] if tos else None), source
 
 
 def test_duplicates_reorder_and_garbage_are_ignored():
