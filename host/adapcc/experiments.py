@@ -163,6 +163,8 @@ def plot(results: dict, outdir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from host.plots import save_figure
+
     os.makedirs(outdir, exist_ok=True)
     written = []
     rows = results["synthesis"]
@@ -179,11 +181,7 @@ def plot(results: dict, outdir: str) -> list[str]:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title("AdapCC cost model: synthesized vs hand-built strategies")
-    fig.tight_layout()
-    path = os.path.join(outdir, "adapcc_synthesis.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    written.append(path)
+    save_figure(fig, outdir, "adapcc_synthesis.png", written)
 
     vol = results["volatility"]
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -193,11 +191,7 @@ def plot(results: dict, outdir: str) -> list[str]:
     ax.set_ylabel("modelled allreduce (ms)")
     ax.legend(fontsize=8)
     ax.set_title(f"volatile NICs: makespan speed-up {vol['speedup']:.2f}x")
-    fig.tight_layout()
-    path = os.path.join(outdir, "adapcc_volatility.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    written.append(path)
+    save_figure(fig, outdir, "adapcc_volatility.png", written)
 
     coord = results["coordinator"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
@@ -210,11 +204,7 @@ def plot(results: dict, outdir: str) -> list[str]:
         ax.set_ylabel("CDF")
         ax.set_title(f"coordinator, {scenario} ready times", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(outdir, "adapcc_coordinator.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    written.append(path)
+    save_figure(fig, outdir, "adapcc_coordinator.png", written)
     return written
 
 

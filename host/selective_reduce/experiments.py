@@ -123,6 +123,8 @@ def plot(results: dict, outdir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from host.plots import save_figure
+
     os.makedirs(outdir, exist_ok=True)
     written = []
     for name, exp in results.items():
@@ -145,11 +147,7 @@ def plot(results: dict, outdir: str) -> list[str]:
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
         fig.suptitle(f"selective reduce: {name} (median, min-max band)", fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(outdir, f"sr_{name}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
+        save_figure(fig, outdir, f"sr_{name}.png", written)
     return written
 
 
