@@ -64,7 +64,7 @@ bench: setup
 p4:
 	@command -v p4c >/dev/null || { echo "p4c is not installed: see p4src/v1model/README.md"; exit 1; }
 	mkdir -p build/p4
-	p4c --target bmv2 --arch v1model --p4runtime-files build/p4/main.p4info.txt \
+	p4c --target bmv2 --arch v1model --p4runtime-files build/p4/main.p4info.txtpb \
 	    -o build/p4 p4src/v1model/main.p4
 
 # Mininet testbed (root): 3 workers through the best switch available here.

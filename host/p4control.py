@@ -15,7 +15,7 @@ Installing is idempotent: every entry is inserted, and an entry that already exi
 modified to the planned value, so running it twice leaves the same state.
 
     python -m host.p4control --config job.json --grpc 127.0.0.1:9559 \
-        --p4info build/p4/main.p4info.txt --bmv2-json build/p4/main.json
+        --p4info build/p4/main.p4info.txtpb --bmv2-json build/p4/main.json
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 P4_SOURCE = REPO_ROOT / "p4src" / "v1model" / "main.p4"
 BUILD_DIR = REPO_ROOT / "build" / "p4"
 DEFAULT_BMV2_JSON = BUILD_DIR / "main.json"
-DEFAULT_P4INFO = BUILD_DIR / "main.p4info.txt"
+DEFAULT_P4INFO = BUILD_DIR / "main.p4info.txtpb"
 
 # ---- names in the P4Info (control instance path + local name) ----
 T_JOBS = "SwitchIngress.job_membership.jobs"

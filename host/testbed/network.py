@@ -263,14 +263,17 @@ class Testbed:
                 raise TestbedError("thc_switch exited at start: see "
                                    f"{self.workdir / 'dpdk_switch.log'}")
         else:
+            from host.bmv2_switch import Bmv2StartError, Bmv2Switch, compile_program
             from host.p4control import DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4Controller
-            cmd = ["simple_switch_grpc", "--device-id", "0", "--priority-queues", "8", "--no-p4"]
-            for p, intf in enumerate(self._switch_ports()):
-                cmd += ["-i", f"{p}@{intf}"]
-            cmd += ["--", "--grpc-server-addr", "127.0.0.1:9559"]
-            self.agg_process = subprocess.Popen(
-                cmd, stdout=open(self.workdir / "bmv2.log", "w"), stderr=subprocess.STDOUT)
-            self.controller = P4Controller("127.0.0.1:9559", timeout=20.0)
+            compile_program()
+            switch = Bmv2Switch(dict(enumerate(self._switch_ports())),
+                                self.workdir / "bmv2.log", grpc_port=9559)
+            try:
+                switch.start()
+            except Bmv2StartError as exc:
+                raise TestbedError(str(exc)) from exc
+            self.agg_process = switch.process
+            self.controller = P4Controller(switch.grpc_addr, timeout=20.0)
             self.controller.connect(DEFAULT_P4INFO, DEFAULT_BMV2_JSON)
             self.controller.install(self.config)
 

@@ -114,11 +114,12 @@ control SlotAggregation(inout headers_t hdr, inout metadata_t meta) {
         meta.res_tensor = r_tensor;
         meta.res_offset = r_offset;
         meta.res_num_values = r_num_values;
+        /* p4c does not chain ?: the way C does: every else branch is parenthesized */
         meta.outcome =
             obsolete   ? OUTCOME_STRAGGLER :
-            already_in ? (done == 1 ? OUTCOME_RESERVE : OUTCOME_DUPLICATE) :
-            done == 1  ? (complete ? OUTCOME_COMPLETE : OUTCOME_RESERVE_LATE) :
-                         OUTCOME_PENDING;
+            (already_in ? (done == 1 ? OUTCOME_RESERVE : OUTCOME_DUPLICATE) :
+            (done == 1  ? (complete ? OUTCOME_COMPLETE : OUTCOME_RESERVE_LATE) :
+                          OUTCOME_PENDING));
     }
 
     /* FLUSH (protocol.md 4.6): both copies of the slot back to zero. */
@@ -178,8 +179,8 @@ control BuildAggReply(inout headers_t hdr, inout metadata_t meta) {
             hdr.agg.reserved = 0;
             hdr.agg.flags =
                 meta.outcome == OUTCOME_COMPLETE     ? 8w0 :
-                meta.outcome == OUTCOME_RESERVE_LATE ? FLAG_RESERVE | FLAG_LATE :
-                                                       FLAG_RESERVE;
+                (meta.outcome == OUTCOME_RESERVE_LATE ? FLAG_RESERVE | FLAG_LATE :
+                                                        FLAG_RESERVE);
             hdr.agg.expected = meta.res_expected;
             hdr.agg.min_count = meta.res_min_count;
             hdr.agg.tensor = meta.res_tensor;

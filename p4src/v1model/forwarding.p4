@@ -67,7 +67,7 @@ control Ipv4Forwarding(inout headers_t hdr,
                        inout metadata_t meta,
                        inout standard_metadata_t standard_metadata,
                        out bool routed) {
-    register<bit<32>>(MAX_ROUTES) route_turn;
+    register<bit<32>, bit<32>>(MAX_ROUTES) route_turn;
     bit<32> next_hop_index = 0;
 
     /* Read, advance and write the route's turn in this one action: one BMv2 lock

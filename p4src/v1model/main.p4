@@ -1,9 +1,11 @@
 /* THC-INA in-network aggregation for BMv2 simple_switch (v1model).
  * Implements docs/protocol.md v1; limits in p4src/v1model/README.md.
- * Build: p4c --target bmv2 --arch v1model --p4runtime-files build/p4/main.p4info.txt \
+ * Build: p4c --target bmv2 --arch v1model --p4runtime-files build/p4/main.p4info.txtpb \
  *            -o build/p4 p4src/v1model/main.p4
  * Run:   simple_switch_grpc --priority-queues 8 ... build/p4/main.json */
 #include <core.p4>
+/* the two-parameter register<T, I> of v1model needs this version or later */
+#define V1MODEL_VERSION 20200408
 #include <v1model.p4>
 
 #include "headers.p4"

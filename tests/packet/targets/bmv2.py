@@ -3,7 +3,8 @@
 Set-up per start(): compile the P4 with p4c when the BMv2 JSON is missing or older than
 the sources, create one veth pair per switch port (the switch end `tb<pid>s<port>` in
 the root namespace, the test end in a private network namespace so nothing else talks
-on it), start `simple_switch_grpc --priority-queues 8` on the switch ends, load the
+on it), start `simple_switch_grpc` (8 priority queues) on the switch ends
+(host.bmv2_switch: a switch that exits fails the start with its log), load the
 pipeline and install the config with host.p4control, then inject and capture with raw
 AF_PACKET sockets opened inside the namespace.
 
@@ -22,12 +23,12 @@ import subprocess
 import time
 
 from dataplane.config import SwitchConfig
+from host.bmv2_switch import Bmv2Switch, compile_program, program_stale
 from host.p4control import (BMV2_MAX_VALUES, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
-                            P4_SOURCE, P4Controller, plan_switch)
+                            P4Controller, plan_switch)
 
 from .base import Target
 
-P4_DIR = P4_SOURCE.parent
 CLONE_NEWNET = 0x40000000
 PACKET_OUTGOING = 4
 QUEUE_DEPTH = 1024             # above any DLCP capacity: BMv2 never tail-drops uncounted
@@ -36,18 +37,11 @@ MIN_PORTS = 8
 QUIET_S = 0.3                  # no frame for this long: the switch has emitted everything
 
 
-def _json_stale() -> bool:
-    if not DEFAULT_BMV2_JSON.is_file() or not DEFAULT_P4INFO.is_file():
-        return True
-    built = min(DEFAULT_BMV2_JSON.stat().st_mtime, DEFAULT_P4INFO.stat().st_mtime)
-    return any(p.stat().st_mtime > built for p in P4_DIR.glob("*.p4"))
-
-
 def available() -> tuple[bool, str]:
     if shutil.which("simple_switch_grpc") is None:
         return False, ("simple_switch_grpc is not on PATH (BMv2 is not packaged for this "
                        "environment; build p4lang/behavioral-model with --with-pi)")
-    if _json_stale() and shutil.which("p4c") is None:
+    if program_stale() and shutil.which("p4c") is None:
         return False, f"p4c is not on PATH and {DEFAULT_BMV2_JSON} is missing or stale"
     if os.geteuid() != 0:
         return False, "needs root for veth pairs and a network namespace"
@@ -56,21 +50,6 @@ def available() -> tuple[bool, str]:
     except ImportError:
         return False, "p4runtime-shell is not installed (make venv)"
     return True, "simple_switch_grpc + P4Runtime"
-
-
-def compile_p4() -> None:
-    """p4c when the JSON is older than the P4 sources."""
-    if not _json_stale():
-        return
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["p4c", "--target", "bmv2", "--arch", "v1model", "--p4runtime-files",
-                    str(DEFAULT_P4INFO), "-o", str(BUILD_DIR), str(P4_SOURCE)], check=True)
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _InNamespace:
@@ -115,7 +94,7 @@ class Bmv2Target(Target):
         self._tag = tag
         self._ports: list[int] = []
         self._sockets: dict[int, socket.socket] = {}
-        self._switch: subprocess.Popen | None = None
+        self._switch: Bmv2Switch | None = None
         self._controller: P4Controller | None = None
         self._thrift_port = 0
         self._paused: list[int] = []
@@ -124,7 +103,7 @@ class Bmv2Target(Target):
     # -- set-up --
     def start(self, config: SwitchConfig, port_rates: dict[int, float] | None = None) -> None:
         plan_switch(config)            # refuses a bad config before anything is created
-        compile_p4()
+        compile_program()
         self._rates = {p: r for p, r in (port_rates or {}).items() if r is not None}
         if any(r < 0 for r in self._rates.values()):
             raise ValueError(f"service rates must be >= 0 packets/s, got {self._rates}")
@@ -172,16 +151,10 @@ class Bmv2Target(Target):
                 self._sockets[port] = s
 
     def _start_switch(self) -> None:
-        self._grpc_port = _free_tcp_port()
-        self._thrift_port = _free_tcp_port()
-        cmd = ["simple_switch_grpc", "--device-id", "0", "--priority-queues", "8",
-               "--thrift-port", str(self._thrift_port), "--no-p4"]
-        for port in self._ports:
-            cmd += ["-i", f"{port}@{self._switch_if(port)}"]
-        cmd += ["--", "--grpc-server-addr", f"127.0.0.1:{self._grpc_port}"]
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        self._log = open(BUILD_DIR / f"simple_switch_{self._tag}.log", "w")
-        self._switch = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._switch = Bmv2Switch({p: self._switch_if(p) for p in self._ports},
+                                  BUILD_DIR / f"simple_switch_{self._tag}.log").start()
+        self._grpc_port = self._switch.grpc_port
+        self._thrift_port = self._switch.thrift_port
 
     def _cli(self, commands: list[str]) -> None:
         proc = subprocess.run(["simple_switch_CLI", "--thrift-port", str(self._thrift_port)],
@@ -251,14 +224,8 @@ class Bmv2Target(Target):
             s.close()
         self._sockets.clear()
         if self._switch is not None:
-            self._switch.terminate()
-            try:
-                self._switch.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._switch.kill()
-                self._switch.wait()
+            self._switch.stop()
             self._switch = None
-            self._log.close()
         for port in self._ports:
             _sh("ip", "link", "del", self._switch_if(port), check=False)
         _sh("ip", "netns", "del", self.netns, check=False)
