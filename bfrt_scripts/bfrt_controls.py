@@ -55,6 +55,11 @@ def _same(current, wanted) -> bool:
     return as_int(current) == as_int(wanted)
 
 
+def _field(data: dict, name: str):
+    """A field of a raw entry: the SDE's fixed tables show theirs as $NAME."""
+    return data[name] if name in data else data.get(f"${name}")
+
+
 def _short(action) -> str | None:
     return None if action is None else str(action).rsplit(".", 1)[-1]
 
@@ -126,7 +131,8 @@ class BfrtWriter:
         """Make the entry at `key` hold `data` (and `action`): nothing if it does."""
         current = self.read(path, key, in_program)
         if current is not None and (action is None or _short(current.get("action")) == action) \
-                and all(name in current["data"] and _same(current["data"][name], value)
+                and all(_field(current["data"], name) is not None
+                        and _same(_field(current["data"], name), value)
                         for name, value in data.items()):
             self.unchanged += 1
             return
@@ -141,7 +147,8 @@ class BfrtWriter:
         current = self.read_default(entry.table)
         data = dict(entry.data)
         if current is not None and _short(current.get("action")) == entry.action and \
-                all(_same(current["data"].get(k), v) for k, v in data.items()):
+                all(_field(current["data"], k) is not None
+                    and _same(_field(current["data"], k), v) for k, v in data.items()):
             self.unchanged += 1
             return
         self.write(entry.table, f"set_default_with_{entry.action}", data)

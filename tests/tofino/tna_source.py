@@ -78,6 +78,7 @@ class Table:
     default_only: set[str]
     has_const_entries: bool
     size: int | None
+    default: tuple[str, list[int]] | None = None    # default action and its arguments
 
 
 @dataclass
@@ -131,15 +132,20 @@ def _tables(body: str) -> dict[str, Table]:
                 default_only.add(a)
             actions.append(a)
         size = re.search(r"\bsize\s*=\s*([^;]+);", tb)
+        dflt = re.search(r"\bdefault_action\s*=\s*(\w+)\s*\(([^)]*)\)", tb)
+        default = None if dflt is None else (
+            dflt.group(1), [eval_int(a) for a in dflt.group(2).split(",") if a.strip()])
         out[m.group(1)] = Table(m.group(1), keys, actions, default_only,
-                                "const entries" in tb, size and eval_int(size.group(1)))
+                                "const entries" in tb, size and eval_int(size.group(1)),
+                                default)
     return out
 
 
 def eval_int(expr: str) -> int:
-    if not re.fullmatch(r"[\d\s*+()-]+", expr):
+    expr = re.sub(r"\b\d+w(\d+)", r"\1", expr.strip())          # 32w1 -> 1
+    if not re.fullmatch(r"[\dxXa-fA-F\s*+()<-]+", expr):
         raise ValueError(f"not a constant expression: {expr}")
-    return int(eval(expr))      # digits and arithmetic only (checked above)
+    return int(eval(expr, {"__builtins__": {}}))   # literals and arithmetic only
 
 
 @lru_cache(maxsize=4)
