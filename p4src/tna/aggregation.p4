@@ -228,19 +228,19 @@ control SumWord(in ingress_metadata_t meta,
         }
     };
 
-    action start() { sums = first_values.execute(meta.copy_index); }
-    action add() { sums = add_values.execute(meta.copy_index); }
-    action read() { sums = read_values.execute(meta.copy_index); }
+    action start_sum() { sums = first_values.execute(meta.copy_index); }
+    action add_sum() { sums = add_values.execute(meta.copy_index); }
+    action read_sum() { sums = read_values.execute(meta.copy_index); }
 
     apply {
         /* the same answers SlotState used, so all registers agree on what happened */
         if (meta.fresh == 1) {
-            start();
+            start_sum();
         } else if (meta.same_round == 1) {
             if (meta.left_before == 0) {
-                read();                                 /* re-serve */
+                read_sum();                             /* re-serve */
             } else if (meta.already_seen == 0) {
-                add();                                  /* aggregate */
+                add_sum();                              /* aggregate */
             }
         }
     }
@@ -302,19 +302,19 @@ control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
     action join_bitmap() { hdr.agg.contributors = add_contributor.execute(meta.copy_index); }
     action read_bitmap() { hdr.agg.contributors = read_contributors.execute(meta.copy_index); }
 
-    action store_fields() {
-        store_expected.execute(meta.copy_index);
-        store_tensor.execute(meta.copy_index);
-        store_offset.execute(meta.copy_index);
-        store_num_values.execute(meta.copy_index);
-        store_min_count.execute(meta.copy_index);
-    }
-
-    action load_fields() {
-        hdr.agg.expected = load_expected.execute(meta.copy_index);
-        hdr.agg.tensor = load_tensor.execute(meta.copy_index);
-        hdr.agg.offset = load_offset.execute(meta.copy_index);
+    /* one action per register: each stateful ALU is placed in its own stage slot */
+    action store_expected_field()   { store_expected.execute(meta.copy_index); }
+    action store_tensor_field()     { store_tensor.execute(meta.copy_index); }
+    action store_offset_field()     { store_offset.execute(meta.copy_index); }
+    action store_num_values_field() { store_num_values.execute(meta.copy_index); }
+    action store_min_count_field()  { store_min_count.execute(meta.copy_index); }
+    action load_expected_field()    { hdr.agg.expected = load_expected.execute(meta.copy_index); }
+    action load_tensor_field()      { hdr.agg.tensor = load_tensor.execute(meta.copy_index); }
+    action load_offset_field()      { hdr.agg.offset = load_offset.execute(meta.copy_index); }
+    action load_num_values_field() {
         hdr.agg.num_values = load_num_values.execute(meta.copy_index);
+    }
+    action load_min_count_field() {
         hdr.agg.min_count = load_min_count.execute(meta.copy_index);
     }
 
@@ -330,10 +330,31 @@ control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
                 join_bitmap();                          /* aggregate */
             }
         }
+        /* num_values first: the RESULT's word count waits for it */
         if (meta.outcome == OUTCOME_COMPLETE) {
-            store_fields();
+            store_num_values_field();
         } else if (meta.outcome == OUTCOME_RESERVE) {
-            load_fields();
+            load_num_values_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_expected_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_expected_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_tensor_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_tensor_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_offset_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_offset_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_min_count_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_min_count_field();
         }
     }
 }

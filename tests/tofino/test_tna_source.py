@@ -72,6 +72,14 @@ def test_every_register_is_reached_and_every_register_action_runs_somewhere(cont
     assert declared <= reached, declared - reached
 
 
+def test_each_action_runs_at_most_one_stateful_alu(controls):
+    """A table's action executes its stateful ALUs in the table's stage (4 per stage): one
+    RegisterAction per action leaves the compiler free to place each register."""
+    for ctl in controls.values():
+        for name, (_, body) in ctl.actions.items():
+            assert len(re.findall(r"\.execute\(", body)) <= 1, (ctl.name, name)
+
+
 def test_each_table_has_one_apply_site(controls):
     for ctl in controls.values():
         for table in ctl.tables:
