@@ -145,6 +145,8 @@ def main(argv=None) -> int:
     if status["status"] != "ok":
         print(f"error: {status['message']}", file=sys.stderr)
         return 2
+    if args.counters:
+        print(job_file.with_suffix(".counters.json").read_text())
     return 0
 
 

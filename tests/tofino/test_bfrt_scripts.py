@@ -360,6 +360,8 @@ def test_deploy_runs_the_script_through_bfshell(tmp_path):
                          timeout=300)
     assert run.returncode == 0, run.stderr
     counters = json.loads(job_file.with_suffix(".counters.json").read_text())
+    text = job_file.with_suffix(".counters.json").read_text().rstrip()
+    assert run.stdout.rstrip().endswith(text)           # deploy prints them last
     assert counters["jobs"]["10"]["rx"] == 0 and "drop_fragment" in counters["global"]
     bad = SwitchConfig(jobs=(job(1, 4, 9),)).save(tmp_path / "bad.json")
     run = subprocess.run([sys.executable, "-m", "bfrt_scripts.deploy", "--config", str(bad),
