@@ -319,16 +319,13 @@ control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
     }
 
     apply {
+        /* one call site per register action: one table, one stage for the register */
         if (meta.fresh == 1) {
             start_bitmap();
-        } else if (meta.obsolete == 1) {
-            read_bitmap();
-        } else if (meta.same_round == 1) {
-            if (meta.left_before == 0) {
-                read_bitmap();                          /* re-serve (or late worker) */
-            } else if (meta.already_seen == 0) {
-                join_bitmap();                          /* aggregate */
-            }
+        } else if (meta.obsolete == 1 || (meta.same_round == 1 && meta.left_before == 0)) {
+            read_bitmap();                              /* STRAGGLER, re-serve, late worker */
+        } else if (meta.same_round == 1 && meta.already_seen == 0) {
+            join_bitmap();                              /* aggregate */
         }
         /* num_values first: the RESULT's word count waits for it */
         if (meta.outcome == OUTCOME_COMPLETE) {

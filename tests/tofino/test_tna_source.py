@@ -80,6 +80,17 @@ def test_each_action_runs_at_most_one_stateful_alu(controls):
             assert len(re.findall(r"\.execute\(", body)) <= 1, (ctl.name, name)
 
 
+def test_each_stateful_action_has_one_call_site(controls):
+    """Two call sites of an action that runs a register would be two tables competing for
+    that register's one stateful ALU."""
+    for ctl in controls.values():
+        for name, (_, body) in ctl.actions.items():
+            if ".execute(" in body:
+                calls = len(re.findall(rf"\b{name}\s*\(", ctl.apply))
+                in_tables = sum(name in t.actions for t in ctl.tables.values())
+                assert calls + in_tables == 1, (ctl.name, name, calls, in_tables)
+
+
 def test_each_table_has_one_apply_site(controls):
     for ctl in controls.values():
         for table in ctl.tables:
