@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -32,16 +33,21 @@ def preprocess(defines: dict[str, str] | None = None) -> str:
     with the compiler)."""
     if shutil.which("cpp") is None:
         raise FileNotFoundError("the C preprocessor (cpp) is not installed")
-    stubs = Path("/tmp") / f"tna_stub_include_{abs(hash(str(REPO)))}"
-    stubs.mkdir(exist_ok=True)
-    for name in ("core.p4", "tna.p4", "t2na.p4"):
-        (stubs / name).write_text("")
-    args = ["cpp", "-P", "-undef", "-nostdinc", f"-I{stubs}"]
+    args = ["cpp", "-P", "-undef", "-nostdinc", f"-I{_stub_includes()}"]
     args += [f"-D{k}={v}" for k, v in (defines or {}).items()]
     out = subprocess.run(args + [str(P4_MAIN)], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
     return out.stdout
+
+
+@lru_cache(maxsize=1)
+def _stub_includes() -> str:
+    """Empty core.p4 / tna.p4 / t2na.p4: the architecture files come with the compiler."""
+    stubs = Path(tempfile.mkdtemp(prefix="tna_stub_include_"))
+    for name in ("core.p4", "tna.p4", "t2na.p4"):
+        (stubs / name).write_text("")
+    return str(stubs)
 
 
 def block_after(text: str, start: int, open_ch: str = "{", close_ch: str = "}") -> tuple[str, int]:
