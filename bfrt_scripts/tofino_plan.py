@@ -410,7 +410,7 @@ def validation_entries() -> list[TableEntry]:
                                           "num_values": Ternary(0, 0),
                                           "udp_length": Ternary(40, 0xFFFF),
                                           "MATCH_PRIORITY": 1}, "length_fits"))
-    for table, (shift, width, action) in zip(T_EXPECTED_BITS, EXPECTED_CHUNKS):
+    for table, (_, width, action) in zip(T_EXPECTED_BITS, EXPECTED_CHUNKS):
         entries += [_entry(table, {"chunk": chunk}, action, {"bits": bin(chunk).count("1")})
                     for chunk in range(1 << width)]
     widths = [width for _, width, _ in EXPECTED_CHUNKS]
