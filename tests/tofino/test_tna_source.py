@@ -229,6 +229,12 @@ def test_limits_agree_with_the_plan():
     assert 1 << widths["route_index_t"] == d["MAX_ROUTES"]
     assert 1 << widths["next_hop_index_t"] == d["MAX_NEXT_HOP_SLOTS"]
     assert ts.TYPE_WIDTHS["slot_index_t"] == widths["slot_index_t"]
+    # popcount(expected): the planner's chunks are the key slices of validation.p4
+    slices = re.findall(r"hdr\.agg\.expected\[(\d+):(\d+)\]\s*: exact",
+                        (ts.P4_DIR / "validation.p4").read_text())
+    assert [(int(lo), int(hi) - int(lo) + 1) for hi, lo in slices] == \
+        [(shift, width) for shift, width, _ in tp.EXPECTED_CHUNKS]
+    assert sum(width for _, width, _ in tp.EXPECTED_CHUNKS) == 32
 
 
 # ---------------------------------------------------------------- the protocol is all there
