@@ -39,8 +39,17 @@ parser IngressParser(packet_in pkt,
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);        /* phase-0 port metadata: unused */
+        /* flags the controls test on paths that do not set them (@pa_auto_init_metadata
+         * zeroes metadata too; these do not depend on it) */
         meta.to_agg = 0;
         meta.is_fragment = 0;
+        meta.count_job = 0;
+        meta.fresh = 0;
+        meta.same_round = 0;
+        meta.obsolete = 0;
+        meta.already_seen = 0;
+        meta.left_before = 0;
+        meta.outcome = OUTCOME_NONE;
         transition parse_ethernet;
     }
 
@@ -144,6 +153,9 @@ parser EgressParser(packet_in pkt,
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridge);
+        meta.full_checksum = 0;
+        meta.dlcp_count = 0;
+        meta.ce_marked = 0;
         transition select(eg_intr_md.deflection_flag, hdr.bridge.kind) {
             (1, _): accept;                     /* a TM drop, deflected to be counted */
             (0, BRIDGE_FORWARD): parse_forwarded;
