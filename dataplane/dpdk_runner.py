@@ -158,31 +158,24 @@ class LiveSwitch:
                "--stats", str(self.stats_path)]
         for port, rate in self.port_rates.items():
             cmd += ["--rate", f"{port}:{float(rate)}"]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        line = self._wait_line("running", self.start_timeout)
-        if line is None:
+        # stdout and stderr both go to the log file: no pipe the switch could block on.
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if not self._wait_running(self.start_timeout):
             self.stop()
             raise SwitchError(f"thc_switch did not start: {self.log_path.read_text().strip()}")
         return self
 
-    def _wait_line(self, marker: str, timeout: float) -> str | None:
-        import selectors
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+    def _wait_running(self, timeout: float) -> bool:
+        """Whether the switch printed its start-up line ("... running") in time."""
         deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    continue
-                line = self.proc.stdout.readline()
-                if not line:
-                    return None               # exited
-                if marker in line:
-                    return line
-        finally:
-            sel.unregister(self.proc.stdout)
-        return None
+        while time.monotonic() < deadline:
+            if "running" in self.log_path.read_text():
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        return False
 
     def counters(self, timeout: float = 10.0) -> dict:
         """Statistics now (SIGUSR1): {"global", "jobs", "ports"}."""
@@ -204,9 +197,6 @@ class LiveSwitch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc is not None:
-            self.proc.stdout.close()
-            self._log.close()
         stats = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
         self._tmp.cleanup()
         self.proc = None

@@ -15,7 +15,8 @@
  *   included). At the end of the schedule all queues drain and the switch exits.
  * --rate PORT:PPS: DLCP service rate of a port; 0 = paused until the input is
  *   exhausted (end of schedule, or exit), then drained in strict-priority order.
- * Statistics go to --stats (JSON) and stdout on exit and on SIGUSR1.
+ * Statistics go to --stats (JSON) on exit and on SIGUSR1; without --stats, to stdout.
+ * Stdout otherwise carries the one start-up line ("... running").
  */
 #include <errno.h>
 #include <getopt.h>
@@ -114,10 +115,13 @@ static void write_stats(struct app *a)
 	}
 	if (n < sizeof(extra))
 		snprintf(extra + n, sizeof(extra) - n, "}");
-	agg_write_stats_json(&a->sw, stdout, extra);
-	fflush(stdout);
-	if (a->stats_path == NULL)
+	/* With a stats file the counters go there only: a long-running switch must
+	 * never block on a stdout pipe that nobody reads (issue 11.1). */
+	if (a->stats_path == NULL) {
+		agg_write_stats_json(&a->sw, stdout, extra);
+		fflush(stdout);
 		return;
+	}
 	/* Write-then-rename so a reader never sees half a file. */
 	char tmp[4096];
 	snprintf(tmp, sizeof(tmp), "%s.tmp", a->stats_path);
