@@ -143,15 +143,19 @@ def run_pcap(config: SwitchConfig, batches: list[list[tuple[int, bytes]]],
 class LiveSwitch:
     """The switch on live ports (net_af_packet on veths, net_tap, NICs) until stop().
 
-    `vdevs` are EAL --vdev strings, one per switch port in port order. start() returns
-    once the poll loop runs (the switch prints "... running"); counters() asks for
-    statistics with SIGUSR1; stop() sends SIGTERM and returns the final statistics.
+    `vdevs` are EAL --vdev strings, one per switch port in port order; `extra_args` more
+    switch options (e.g. ["--busy-poll"]). start() returns once the poll loop runs (the
+    switch prints "... running"); counters() asks for statistics with SIGUSR1; stop()
+    sends SIGTERM and returns the final statistics. The switch's output goes to
+    `log_path`, never to a pipe.
     """
 
     def __init__(self, config: SwitchConfig, vdevs: list[str],
                  port_rates: dict[int, float] | None = None, workdir: str | Path | None = None,
-                 binary: Path = SWITCH_BIN, start_timeout: float = 30.0):
+                 binary: Path = SWITCH_BIN, start_timeout: float = 30.0,
+                 extra_args: list[str] = ()):
         self.config, self.vdevs, self.port_rates = config, list(vdevs), dict(port_rates or {})
+        self.extra_args = list(extra_args)
         self.binary, self.start_timeout = binary, start_timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="thc_dpdk_live_", dir=workdir)
         self.workdir = Path(self._tmp.name)
@@ -165,6 +169,7 @@ class LiveSwitch:
                "--stats", str(self.stats_path)]
         for port, rate in self.port_rates.items():
             cmd += ["--rate", f"{port}:{float(rate)}"]
+        cmd += self.extra_args
         # stdout and stderr both go to the log file: no pipe the switch could block on.
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
