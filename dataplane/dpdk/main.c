@@ -609,7 +609,7 @@ static bool rated_backlog(const struct app *a)
  * or, where the ports offer nothing to sleep on, for growing periods: twice as
  * long after each further empty poll, up to max_us. The first poll that finds
  * work is back at full speed. A signal ends any sleep early. */
-static void back_off(const struct app *a, struct idle_backoff *b, bool worked, uint64_t now)
+static void back_off(struct app *a, struct idle_backoff *b, bool worked, uint64_t now)
 {
 	if (worked) {
 		b->last_work = now;
@@ -621,7 +621,7 @@ static void back_off(const struct app *a, struct idle_backoff *b, bool worked, u
 		return;
 	}
 	if (a->nb_wake) {
-		poll((struct pollfd *)a->wake, a->nb_wake, IDLE_POLL_TIMEOUT_MS);
+		poll(a->wake, a->nb_wake, IDLE_POLL_TIMEOUT_MS);
 		return;
 	}
 	b->sleep_us = b->sleep_us ? RTE_MIN(2 * b->sleep_us, b->max_us) : IDLE_SLEEP_MIN_US;
