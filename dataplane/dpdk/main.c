@@ -481,6 +481,10 @@ static void build_bench_template(struct app *a, const struct agg_job *job, uint3
 	ip[3] = (uint8_t)(20 + 8 + 32 + payload);
 	ip[8] = 64;
 	ip[9] = 17;
+	for (int i = 0; i < 4; i++) {      /* the member's and the switch's addresses */
+		ip[12 + i] = (uint8_t)(m->ip >> (24 - 8 * i));
+		ip[16 + i] = (uint8_t)(a->sw.ip >> (24 - 8 * i));
+	}
 	udp[0] = (uint8_t)(m->udp_port >> 8); udp[1] = (uint8_t)m->udp_port;
 	udp[2] = (uint8_t)(AGG_PORT_BASE >> 8); udp[3] = (uint8_t)AGG_PORT_BASE;
 	udp[4] = (uint8_t)((8 + 32 + payload) >> 8); udp[5] = (uint8_t)(8 + 32 + payload);
