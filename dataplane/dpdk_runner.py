@@ -190,15 +190,22 @@ class LiveSwitch:
         return False
 
     def counters(self, timeout: float = 10.0) -> dict:
-        """Statistics now (SIGUSR1): {"global", "jobs", "ports"}."""
-        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else None
+        """Statistics now (SIGUSR1): {"global", "jobs", "ports", "seq"}."""
+        before = self._stats_seq()
         self.proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
+            if self._stats_seq() > before:          # written whole: write-then-rename
                 return json.loads(self.stats_path.read_text())
-            time.sleep(0.02)
+            time.sleep(0.005)
         raise SwitchError("thc_switch wrote no statistics after SIGUSR1")
+
+    def _stats_seq(self) -> int:
+        """The sequence number of the statistics file (each write counts up), 0 if none."""
+        try:
+            return json.loads(self.stats_path.read_text())["seq"]
+        except FileNotFoundError:
+            return 0
 
     def stop(self) -> dict | None:
         """SIGTERM; the final statistics (None when it never wrote any)."""

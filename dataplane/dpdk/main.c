@@ -192,7 +192,8 @@ static void signal_handler(int signum)
 static void write_stats(struct app *a)
 {
 	static char extra[AGG_MAX_PORTS * 320 + 64];
-	size_t n = (size_t)snprintf(extra, sizeof(extra), "\"ports\": {");
+	static uint64_t seq;    /* tells a reader this write from the one before */
+	size_t n = (size_t)snprintf(extra, sizeof(extra), "\"seq\": %" PRIu64 ", \"ports\": {", ++seq);
 	for (uint16_t p = 0; p < a->nb_ports && n < sizeof(extra); p++) {
 		const struct port_state *ps = &a->ports[p];
 		struct rte_eth_stats es;
