@@ -29,6 +29,7 @@ U_GOLDEN, U_ONE = rng.U_GOLDEN, rng.U_ONE
 NORM_CHUNK = 1 << 16
 NT_MIN_BYTES = 1 << 23       # outputs at least this large skip the cache (streaming stores)
 MIN_VECTOR_PARTITION = vk.LANES
+FUSED = True                 # rotate(add=, norms=) and quantize(error_out=) in one pass
 
 
 @njit(cache=True, inline="always")
@@ -36,35 +37,26 @@ def _bits(key, counter):
     return _mix64(key + (np.uint64(counter) + U_ONE) * U_GOLDEN)
 
 
-# ---- norms ------------------------------------------------------------------------------
-@njit(parallel=True, cache=True)
-def _chunk_sumsq(x, chunk):
-    n = x.shape[0]
-    chunks = (n + chunk - 1) // chunk
-    out = np.zeros(chunks, dtype=np.float64)
-    for c in prange(chunks):
-        acc = 0.0
-        for i in range(c * chunk, min(n, (c + 1) * chunk)):
-            v = np.float64(x[i])
-            acc += v * v
-        out[c] = acc
-    return out
-
-
 # ---- RHT --------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _signed(v, p, key):
+    """v with the Rademacher sign of padded position p."""
+    if (_bits(key, p >> 6) >> np.uint64(p & 63)) & U_ONE:
+        return -v
+    return v
+
+
 @njit(cache=True)
-def _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, mode):
-    """Partitions of fewer than 16 floats (2, 4 or 8): scalar radix-2, same operation
-    order as the vector kernels and the reference."""
+def _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, sign, add, has_add,
+                     squares):
+    """Partitions of fewer than 16 floats (2, 4 or 8): scalar radix-2 with the operation
+    order of the vector kernels and the reference."""
     buf = np.empty(n, dtype=np.float32)
     for k in range(count):
         for j in range(n):
             v = src[si + k * n + j]
-            if mode == vk.FORWARD:
-                p = pos + k * n + j
-                v = v * scale
-                if (_bits(key, p >> 6) >> np.uint64(p & 63)) & U_ONE:
-                    v = -v
+            if sign == vk.SIGN_FIRST:
+                v = _signed(v * scale, pos + k * n + j, key)
             buf[j] = v
         h = 1
         while h < n:
@@ -75,14 +67,16 @@ def _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, mode):
                     buf[j] = a + c
                     buf[j + h] = a - c
             h *= 2
+        acc = 0.0
         for j in range(n):
             v = buf[j]
-            if mode == vk.INVERSE:
-                p = pos + k * n + j
-                v = v * scale
-                if (_bits(key, p >> 6) >> np.uint64(p & 63)) & U_ONE:
-                    v = -v
+            if sign == vk.SIGN_LAST:
+                v = _signed(v * scale, pos + k * n + j, key)
+            if has_add:
+                v = v + add[di + k * n + j]
             dst[di + k * n + j] = v
+            acc += np.float64(v) * np.float64(v)
+        squares[k] = acc
 
 
 _scratch = threading.local()        # per calling thread: the kernels' scratch rows
@@ -90,10 +84,10 @@ _scratch = threading.local()        # per calling thread: the kernels' scratch r
 
 def _scratch_rows(rows: int, n: int) -> np.ndarray:
     """(rows, scratch_size(n)) float32, reused across calls (no page faults per call)."""
-    size = vk.scratch_size(n) if n > vk.CHUNK else 1
+    size = vk.scratch_size(n) if n > vk.CHUNK else vk.LANES    # rows start on cache lines
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < rows * size:
-        buf = np.empty(rows * size, dtype=np.float32)
+        buf = aligned_empty(rows * size)
         _scratch.buf = buf
     return buf[:rows * size].reshape(rows, size)
 
@@ -105,42 +99,54 @@ def aligned_empty(n: int) -> np.ndarray:
     return raw[skip:skip + n]
 
 
-def _transform(src, si, dst, di, n, count, pos, key, scale, mode):
-    """`count` partitions of n floats src[si:] -> dst[di:] (pos: padded position of the
-    first one, for the signs); mode vk.PLAIN, FORWARD or INVERSE."""
+def _transform(src, si, dst, di, n, count, pos, key, scale, sign, add=None, squares=None):
+    """`count` partitions of n floats src[si:] -> dst[di:] (+ add[di:]); pos: padded
+    position of the first one (for the signs); sign vk.SIGN_NONE, SIGN_FIRST (forward RHT)
+    or SIGN_LAST (inverse). squares[k] receives the sum of squares of output partition k."""
     if count == 0:
         return
+    if squares is None:
+        squares = np.empty(count, dtype=np.float64)
+    has_add = add is not None
+    add = add if has_add else dst
     if n < MIN_VECTOR_PARTITION:
-        _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, mode)
+        _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, sign, add, has_add,
+                         squares)
         return
     nt = (4 * n * count >= NT_MIN_BYTES and (dst.ctypes.data + 4 * di) % 64 == 0)
     threads = numba.get_num_threads()
     if count == 1 and n > 4096 and threads > 1:
-        vk.fwht_shared_partition(src, si, dst, di, n, pos, key, scale,
-                                 _scratch_rows(1, n)[0], mode, nt)
+        squares[0] = vk.fwht_shared_partition(src, si, dst, di, n, pos, key, scale,
+                                              _scratch_rows(1, n)[0], sign, nt, add, has_add)
     else:
         vk.fwht_partitions(src, si, dst, di, n, count, pos, key, scale,
-                           _scratch_rows(min(threads, count), n), mode, nt)
+                           _scratch_rows(min(threads, count), n), sign, nt, add, has_add,
+                           squares)
 
 
 def fwht_inplace(buf: np.ndarray, start: int, n: int) -> None:
     """Unnormalized Walsh-Hadamard transform of buf[start:start+n] (n a power of two)."""
-    _transform(buf, start, buf, start, n, 1, 0, np.uint64(0), np.float32(1.0), vk.PLAIN)
+    _transform(buf, start, buf, start, n, 1, 0, np.uint64(0), np.float32(1.0), vk.SIGN_NONE)
 
 
-def rht_forward(x, out, d, start, total, n, key, scale):
-    """out[start:start+total] = H D x / sqrt(n) for consecutive zero-padded partitions of
-    size n (total a multiple of n); x holds the d unpadded floats."""
+def rht_forward(x, out, d, start, total, n, key, scale, add=None, squares=None):
+    """out[start:start+total] = H D x / sqrt(n) (+ add) for consecutive zero-padded
+    partitions of size n (total a multiple of n); x holds the d unpadded floats."""
     count = total // n
+    if squares is None:
+        squares = np.empty(count, dtype=np.float64)
     if start + total <= d:
-        _transform(x, start, out, start, n, count, start, key, scale, vk.FORWARD)
+        _transform(x, start, out, start, n, count, start, key, scale, vk.SIGN_FIRST, add,
+                   squares)
         return
     # the last partition runs past d: its zero-padded copy goes through the same kernels
-    _transform(x, start, out, start, n, count - 1, start, key, scale, vk.FORWARD)
+    _transform(x, start, out, start, n, count - 1, start, key, scale, vk.SIGN_FIRST, add,
+               squares[:count - 1])
     last = start + (count - 1) * n
     padded = np.zeros(n, dtype=np.float32)
     padded[:d - last] = x[last:d]
-    _transform(padded, 0, out, last, n, 1, last, key, scale, vk.FORWARD)
+    _transform(padded, 0, out, last, n, 1, last, key, scale, vk.SIGN_FIRST, add,
+               squares[count - 1:])
 
 
 def rht_inverse(y, out, d, start, total, n, key, scale):
@@ -148,12 +154,12 @@ def rht_inverse(y, out, d, start, total, n, key, scale):
     only read)."""
     count = total // n
     if start + total <= d:
-        _transform(y, start, out, start, n, count, start, key, scale, vk.INVERSE)
+        _transform(y, start, out, start, n, count, start, key, scale, vk.SIGN_LAST)
         return
-    _transform(y, start, out, start, n, count - 1, start, key, scale, vk.INVERSE)
+    _transform(y, start, out, start, n, count - 1, start, key, scale, vk.SIGN_LAST)
     last = start + (count - 1) * n
     tail = aligned_empty(n)
-    _transform(y, last, tail, 0, n, 1, last, key, scale, vk.INVERSE)
+    _transform(y, last, tail, 0, n, 1, last, key, scale, vk.SIGN_LAST)
     out[last:d] = tail[:d - last]
 
 
@@ -185,6 +191,9 @@ length = _NumpyKernels.length
 wrap_like = _NumpyKernels.wrap_like
 pad = _NumpyKernels.pad
 unpad = _NumpyKernels.unpad
+add_inplace = _NumpyKernels.add_inplace
+subtract = _NumpyKernels.subtract
+copy_into = _NumpyKernels.copy_into
 
 
 def _contiguous(a, dtype=None):
@@ -198,12 +207,8 @@ def as_counts(counts, padded):
 
 def partition_norms(a, layout):
     a = _contiguous(a, np.float32)
-    chunk = min(layout.partition_size, NORM_CHUNK)
-    sums = _chunk_sumsq(a, chunk)
-    per_part = layout.partition_size // chunk
-    norms = np.zeros(layout.num_partitions, dtype=np.float64)
-    np.add.at(norms, np.arange(len(sums)) // per_part, sums)
-    return np.sqrt(norms).astype(np.float32)
+    squares = vk.sum_squares(a, layout.starts(), layout.data_lengths(), NORM_CHUNK)
+    return np.sqrt(squares).astype(np.float32)
 
 
 def _output(out, length, what):
@@ -217,14 +222,27 @@ def _output(out, length, what):
     return out
 
 
-def rotate(a, layout, sign_key, out=None):
+def rotate(a, layout, sign_key, out=None, add=None, norms=False):
+    """The RHT of every zero-padded partition (+ add, a padded rotated-domain vector);
+    with norms, also the L2 norm of every output partition, from the same pass."""
     a = _contiguous(a, np.float32)
     out = _output(out, layout.padded, "rotate")
     if np.shares_memory(a, out):
         a = a.copy()                 # the tail padding would read what it just wrote
+    if add is not None:
+        add = _contiguous(add, np.float32)
+        if add.shape != (layout.padded,):
+            raise ValueError(f"rotate: add has shape {add.shape}, expected ({layout.padded},)")
     key = np.uint64(sign_key)
+    squares = np.zeros(layout.num_partitions, dtype=np.float64)
+    k = 0
     for s, total, n in layout.segments():
-        rht_forward(a, out, layout.d, s, total, n, key, np.float32(1.0 / np.sqrt(n)))
+        count = total // n
+        rht_forward(a, out, layout.d, s, total, n, key, np.float32(1.0 / np.sqrt(n)), add,
+                    squares[k:k + count])
+        k += count
+    if norms:
+        return out, np.sqrt(squares).astype(np.float32)
     return out
 
 
@@ -240,13 +258,19 @@ def inverse_rotate(a, layout, sign_key, overwrite=False, out=None):
     return out
 
 
-def quantize(a, half, scale, codec, layout, key):
+def quantize(a, half, scale, codec, layout, key, step=None, error_out=None):
+    """Packed indices; with error_out (padded float32), also a - own dequantized value,
+    from the same pass (step: the per-partition decode step, needed then)."""
     a = _contiguous(a, np.float32)
     out = np.empty(layout.padded // 2, dtype=np.uint8)
-    cells, inv_width = _quantizer_tables(codec)
+    cells, inv_width, values = _quantizer_tables(codec)
     log_p = layout.partition_size.bit_length() - 1
-    nonfinite = vk.quantize(a, half, scale, np.float32(codec.granularity), cells, inv_width,
-                            log_p, np.uint64(key), out)
+    has_err = error_out is not None
+    err = error_out if has_err else a
+    if step is None:
+        step = np.zeros_like(half)
+    nonfinite = vk.quantize(a, half, scale, step, np.float32(codec.granularity), cells,
+                            inv_width, values, log_p, np.uint64(key), out, err, has_err)
     return out, int(nonfinite)
 
 

@@ -199,6 +199,20 @@ def _decode_rotated(sums, counts, half, step, log_p, out):
             out[i] = np.float32(0.0)
 
 
+@cuda.jit
+def _add_inplace(a, b):
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        a[i] = a[i] + b[i]
+
+
+@cuda.jit
+def _subtract(a, b, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = a[i] - b[i]
+
+
 # ---- the backend interface the codec calls ----------------------------------------------
 def _torch():
     import torch
@@ -326,3 +340,15 @@ def decode_rotated(sums, counts, half, step, layout):
                                           cuda.to_device(step),
                                           layout.partition_size.bit_length() - 1, out)
     return out
+
+
+def add_inplace(a, b):
+    _add_inplace[_grid(a.shape[0])](a, b)
+
+
+def subtract(a, b, out):
+    _subtract[_grid(out.shape[0])](a, b, out)
+
+
+def copy_into(dst, src):
+    dst.copy_to_device(src)

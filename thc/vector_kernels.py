@@ -153,104 +153,159 @@ def _cross_stages(builder, vs):
     return vs
 
 
+def _branch(builder, flag, then_fn, value):
+    """then_fn(value) if the runtime i1 `flag` else value (a branch: the work is skipped,
+    and LLVM unswitches it out of the caller's loop)."""
+    with builder.if_else(flag) as (then, otherwise):
+        with then:
+            taken = then_fn(value)
+            taken_block = builder.block
+        with otherwise:
+            other_block = builder.block
+    phi = builder.phi(value.type)
+    phi.add_incoming(taken, taken_block)
+    phi.add_incoming(value, other_block)
+    return phi
+
+
 def _store(builder, value, ptr, nontemporal):
-    if not nontemporal:
-        builder.store(value, ptr, align=4)
-        return
-    inst = builder.store(value, ptr, align=64)
-    inst.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(_I32, 1)]))
+    """Store a vector; streaming (non-temporal, 64-byte aligned) when the runtime i1 is set."""
+    with builder.if_else(nontemporal) as (streaming, normal):
+        with streaming:
+            inst = builder.store(value, ptr, align=64)
+            inst.set_metadata("nontemporal",
+                              builder.module.add_metadata([ir.Constant(_I32, 1)]))
+        with normal:
+            builder.store(value, ptr, align=4)
+
+
+def _hsum(builder, v):
+    """Horizontal sum of a float vector (fixed tree order: deterministic)."""
+    width = v.type.count
+    while width > 1:
+        half = width // 2
+        lo = builder.shuffle_vector(v, v, _const_vec(ir.VectorType(_I32, half), range(half)))
+        hi = builder.shuffle_vector(v, v, _const_vec(ir.VectorType(_I32, half),
+                                                     range(half, width)))
+        v = builder.fadd(lo, hi)
+        width = half
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _finish(builder, vs, positions, dst_ptrs, key, scale_vec, sign, add_ptrs, has_add, nt):
+    """Shared tail of the FWHT kernels: optional sign and scale (inverse RHT), optional
+    added vector (rotated-domain error feedback), store, and the sum of squares of what
+    was stored (the partition norm for free)."""
+    squares = _const_vec(_VF, [0.0] * LANES)
+    for v, p, dp, ap in zip(vs, positions, dst_ptrs, add_ptrs):
+        v = _branch(builder, sign, lambda v, p=p: _signed_scaled(
+            builder, v, _sign_mask(builder, key, p), scale_vec), v)
+        v = _branch(builder, has_add, lambda v, ap=ap: builder.fadd(
+            v, builder.load(ap, align=4)), v)
+        _store(builder, v, dp, nt)
+        squares = builder.fadd(squares, builder.fmul(v, v))
+    return _hsum(builder, squares)
+
+
+def _flag(builder, value):
+    return builder.icmp_unsigned("!=", value, ir.Constant(value.type, 0))
 
 
 # ---- FWHT intrinsics ----------------------------------------------------------------------
+# Flags are runtime arguments (sign: 0 none, 1 first = forward RHT, 2 last = inverse RHT;
+# nt: streaming stores; has_add: add a vector to the result), so that one kernel per shape
+# covers every use.
+SIGN_NONE, SIGN_FIRST, SIGN_LAST = 0, 1, 2
 _CHUNK_KERNELS = {}
 _ROW_KERNELS = {}
 
 
-def chunk_kernel(nvec: int, sign_in: bool, sign_out: bool):
-    """Intrinsic (src, src_idx, dst, dst_idx, pos, key, scale): the FWHT of the 16 * nvec
-    floats at src[src_idx:], all strides below 16 * nvec, written to dst[dst_idx:].
-    sign_in: sign and scale first (forward RHT); sign_out: after (inverse). pos is the
-    padded position of the first float (for the signs)."""
-    spec = (nvec, sign_in, sign_out)
-    if spec in _CHUNK_KERNELS:
-        return _CHUNK_KERNELS[spec]
+def chunk_kernel(nvec: int):
+    """Intrinsic (src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add) -> float32:
+    the FWHT of the 16 * nvec floats src[si:] (every stride below 16 * nvec) into dst[di:];
+    pos is the padded position of the first float (for the signs). Returns the sum of
+    squares of what it stored."""
+    if nvec in _CHUNK_KERNELS:
+        return _CHUNK_KERNELS[nvec]
 
-    def typer(typingctx, src, src_idx, dst, dst_idx, pos, key, scale):
-        sig = types.void(src, types.intp, dst, types.intp, types.intp, types.uint64,
-                         types.float32)
+    def typer(typingctx, src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add):
+        sig = types.float32(src, types.intp, dst, types.intp, types.intp, types.uint64,
+                            types.float32, types.intp, types.boolean, add, types.intp,
+                            types.boolean)
 
         def codegen(context, builder, signature, args):
-            src_a, src_i, dst_a, dst_i, pos_v, key_v, scale_v = args
+            (src_a, src_i, dst_a, dst_i, pos_v, key_v, scale_v, sign_v, nt_v, add_a, add_i,
+             has_add_v) = args
             sp = _element_ptr(context, builder, signature.args[0], src_a, src_i)
             dp = _element_ptr(context, builder, signature.args[2], dst_a, dst_i)
+            ap = _element_ptr(context, builder, signature.args[9], add_a, add_i)
             scale_vec = _splat(builder, scale_v)
+            first = builder.icmp_signed("==", sign_v, ir.Constant(_I64, SIGN_FIRST))
+            last = builder.icmp_signed("==", sign_v, ir.Constant(_I64, SIGN_LAST))
+            positions = [builder.add(pos_v, ir.Constant(_I64, LANES * k)) for k in range(nvec)]
             vs = []
             for k in range(nvec):
                 v = builder.load(_vector_ptr(builder, sp, LANES * k), align=4)
-                if sign_in:
-                    p = builder.add(pos_v, ir.Constant(_I64, LANES * k))
-                    v = _signed_scaled(builder, v, _sign_mask(builder, key_v, p), scale_vec)
+                v = _branch(builder, first, lambda v, p=positions[k]: _signed_scaled(
+                    builder, v, _sign_mask(builder, key_v, p), scale_vec), v)
                 vs.append(_lane_stages(builder, v))
             vs = _cross_stages(builder, vs)
-            for k, v in enumerate(vs):
-                if sign_out:
-                    p = builder.add(pos_v, ir.Constant(_I64, LANES * k))
-                    v = _signed_scaled(builder, v, _sign_mask(builder, key_v, p), scale_vec)
-                builder.store(v, _vector_ptr(builder, dp, LANES * k), align=4)
-            return context.get_dummy_value()
+            return _finish(builder, vs, positions,
+                           [_vector_ptr(builder, dp, LANES * k) for k in range(nvec)],
+                           key_v, scale_vec, last,
+                           [_vector_ptr(builder, ap, LANES * k) for k in range(nvec)],
+                           _flag(builder, has_add_v), _flag(builder, nt_v))
         return sig, codegen
 
-    typer.__name__ = f"fwht_chunk_{nvec}_{int(sign_in)}{int(sign_out)}"
-    _CHUNK_KERNELS[spec] = intrinsic(typer)
-    return _CHUNK_KERNELS[spec]
+    typer.__name__ = f"fwht_chunk_{nvec}"
+    _CHUNK_KERNELS[nvec] = intrinsic(typer)
+    return _CHUNK_KERNELS[nvec]
 
 
-def row_kernel(nrows: int, sign_out: bool, nontemporal: bool, strides=None):
-    """Intrinsic (src, src_idx, src_stride, dst, dst_idx, dst_stride, pos, pos_stride, key,
-    scale): the radix-nrows butterflies across nrows vectors src[src_idx + r*src_stride]
-    (one FWHT stride level per factor of 2), written to dst[dst_idx + r*dst_stride].
-    sign_out: then sign and scale (inverse RHT's last level), row r at padded position
-    pos + r*pos_stride. nontemporal: streaming stores (dst must be 64-byte aligned)."""
-    spec = (nrows, sign_out, nontemporal, strides)
-    if spec in _ROW_KERNELS:
-        return _ROW_KERNELS[spec]
+def row_kernel(nrows: int):
+    """Intrinsic (src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign, nt,
+    add, ai, has_add) -> float32: the radix-nrows butterflies (one FWHT stride level per
+    factor of 2) across the nrows vectors src[si + r*sstride], into dst[di + r*dstride]
+    (row r at padded position pos + r*pstride; the added vector at add[ai + r*dstride]).
+    Returns the sum of squares of what it stored."""
+    if nrows in _ROW_KERNELS:
+        return _ROW_KERNELS[nrows]
 
-    def typer(typingctx, src, src_idx, src_stride, dst, dst_idx, dst_stride, pos, pos_stride,
-              key, scale):
-        sig = types.void(src, types.intp, types.intp, dst, types.intp, types.intp, types.intp,
-                         types.intp, types.uint64, types.float32)
+    def typer(typingctx, src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign,
+              nt, add, ai, has_add):
+        sig = types.float32(src, types.intp, types.intp, dst, types.intp, types.intp,
+                            types.intp, types.intp, types.uint64, types.float32, types.intp,
+                            types.boolean, add, types.intp, types.boolean)
 
         def codegen(context, builder, signature, args):
-            (src_a, src_i, src_s, dst_a, dst_i, dst_s, pos_v, pos_s, key_v, scale_v) = args
-            if strides is not None:          # compile-time strides: immediate offsets
-                src_s, dst_s, pos_s = (ir.Constant(_I64, v) for v in strides)
+            (src_a, src_i, src_s, dst_a, dst_i, dst_s, pos_v, pos_s, key_v, scale_v, sign_v,
+             nt_v, add_a, add_i, has_add_v) = args
             sp = _element_ptr(context, builder, signature.args[0], src_a, src_i)
             dp = _element_ptr(context, builder, signature.args[3], dst_a, dst_i)
-            vs = []
-            for r in range(nrows):
-                off = builder.mul(src_s, ir.Constant(_I64, r))
-                vs.append(builder.load(builder.bitcast(builder.gep(sp, [off]),
-                                                       _VF.as_pointer()), align=4))
+            ap = _element_ptr(context, builder, signature.args[12], add_a, add_i)
+
+            def row(ptr, stride, r):
+                off = builder.mul(stride, ir.Constant(_I64, r))
+                return builder.bitcast(builder.gep(ptr, [off]), _VF.as_pointer())
+            vs = [builder.load(row(sp, src_s, r), align=4) for r in range(nrows)]
             vs = _cross_stages(builder, vs)
-            scale_vec = _splat(builder, scale_v) if sign_out else None
-            for r, v in enumerate(vs):
-                if sign_out:
-                    p = builder.add(pos_v, builder.mul(pos_s, ir.Constant(_I64, r)))
-                    v = _signed_scaled(builder, v, _sign_mask(builder, key_v, p), scale_vec)
-                off = builder.mul(dst_s, ir.Constant(_I64, r))
-                _store(builder, v, builder.bitcast(builder.gep(dp, [off]), _VF.as_pointer()),
-                       nontemporal)
-            return context.get_dummy_value()
+            positions = [builder.add(pos_v, builder.mul(pos_s, ir.Constant(_I64, r)))
+                         for r in range(nrows)]
+            last = builder.icmp_signed("==", sign_v, ir.Constant(_I64, SIGN_LAST))
+            return _finish(builder, vs, positions, [row(dp, dst_s, r) for r in range(nrows)],
+                           key_v, _splat(builder, scale_v), last,
+                           [row(ap, dst_s, r) for r in range(nrows)],
+                           _flag(builder, has_add_v), _flag(builder, nt_v))
         return sig, codegen
 
-    typer.__name__ = f"fwht_rows_{nrows}_{int(sign_out)}{int(nontemporal)}"
-    _ROW_KERNELS[spec] = intrinsic(typer)
-    return _ROW_KERNELS[spec]
+    typer.__name__ = f"fwht_rows_{nrows}"
+    _ROW_KERNELS[nrows] = intrinsic(typer)
+    return _ROW_KERNELS[nrows]
 
 
 @intrinsic
 def _store_fence(typingctx):
-    """sfence: orders the non-temporal stores before anything that follows."""
+    """A full fence: orders this thread's streaming stores before what follows."""
     sig = types.void()
 
     def codegen(context, builder, signature, args):
@@ -259,22 +314,8 @@ def _store_fence(typingctx):
     return sig, codegen
 
 
-PLAIN, FORWARD, INVERSE = 0, 1, 2     # FWHT only; RHT (signs first); inverse RHT (signs last)
-
-# chunk kernels for 1..16 vectors: plain, forward (signs in), inverse (signs out)
-_PLAIN = {n: chunk_kernel(n, False, False) for n in (1, 2, 4, 8, 16)}
-_FWD = {n: chunk_kernel(n, True, False) for n in (1, 2, 4, 8, 16)}
-_INV = {n: chunk_kernel(n, False, True) for n in (1, 2, 4, 8, 16)}
-_ROWS16 = row_kernel(16, False, False)
-_LAST = {(r, s, nt): row_kernel(r, s, nt) for r in (2, 4, 8, 16) for s in (False, True)
-         for nt in (False, True)}
-_plain1, _plain2, _plain4, _plain8, _plain16 = (_PLAIN[n] for n in (1, 2, 4, 8, 16))
-_fwd1, _fwd2, _fwd4, _fwd8, _fwd16 = (_FWD[n] for n in (1, 2, 4, 8, 16))
-_inv1, _inv2, _inv4, _inv8, _inv16 = (_INV[n] for n in (1, 2, 4, 8, 16))
-_last2f, _last4f, _last8f, _last16f = (_LAST[(r, False, False)] for r in (2, 4, 8, 16))
-_last2fn, _last4fn, _last8fn, _last16fn = (_LAST[(r, False, True)] for r in (2, 4, 8, 16))
-_last2s, _last4s, _last8s, _last16s = (_LAST[(r, True, False)] for r in (2, 4, 8, 16))
-_last2sn, _last4sn, _last8sn, _last16sn = (_LAST[(r, True, True)] for r in (2, 4, 8, 16))
+_chunk1, _chunk2, _chunk4, _chunk8, _chunk16 = (chunk_kernel(n) for n in (1, 2, 4, 8, 16))
+_rows2, _rows4, _rows8, _rows16 = (row_kernel(n) for n in (2, 4, 8, 16))
 
 
 # ---- FWHT drivers -------------------------------------------------------------------------
@@ -289,172 +330,196 @@ def scratch_size(n: int) -> int:
 
 
 @njit(cache=True, inline="always")
-def _small_chunk(src, si, dst, di, n, pos, key, scale, mode):
-    """A whole partition of 16..256 floats in registers."""
-    nvec = n // LANES
-    if mode == INVERSE:
-        if nvec == 1:
-            _inv1(src, si, dst, di, pos, key, scale)
-        elif nvec == 2:
-            _inv2(src, si, dst, di, pos, key, scale)
-        elif nvec == 4:
-            _inv4(src, si, dst, di, pos, key, scale)
-        elif nvec == 8:
-            _inv8(src, si, dst, di, pos, key, scale)
-        else:
-            _inv16(src, si, dst, di, pos, key, scale)
-    elif mode == FORWARD:
-        if nvec == 1:
-            _fwd1(src, si, dst, di, pos, key, scale)
-        elif nvec == 2:
-            _fwd2(src, si, dst, di, pos, key, scale)
-        elif nvec == 4:
-            _fwd4(src, si, dst, di, pos, key, scale)
-        elif nvec == 8:
-            _fwd8(src, si, dst, di, pos, key, scale)
-        else:
-            _fwd16(src, si, dst, di, pos, key, scale)
-    else:
-        if nvec == 1:
-            _plain1(src, si, dst, di, pos, key, scale)
-        elif nvec == 2:
-            _plain2(src, si, dst, di, pos, key, scale)
-        elif nvec == 4:
-            _plain4(src, si, dst, di, pos, key, scale)
-        elif nvec == 8:
-            _plain8(src, si, dst, di, pos, key, scale)
-        else:
-            _plain16(src, si, dst, di, pos, key, scale)
+def _chunk(nvec, src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add):
+    if nvec == 16:
+        return _chunk16(src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add)
+    if nvec == 8:
+        return _chunk8(src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add)
+    if nvec == 4:
+        return _chunk4(src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add)
+    if nvec == 2:
+        return _chunk2(src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add)
+    return _chunk1(src, si, dst, di, pos, key, scale, sign, nt, add, ai, has_add)
 
 
 @njit(cache=True, inline="always")
-def _last_level(rows, scratch, si, sstride, dst, di, stride, pos, key, scale, mode, nt):
-    """The top stride level: across `rows` rows of the scratch, into dst (signs last for
-    the inverse; streaming stores when nt)."""
-    if mode == INVERSE:
-        if nt:
-            if rows == 16:
-                _last16sn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 8:
-                _last8sn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 4:
-                _last4sn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            else:
-                _last2sn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-        else:
-            if rows == 16:
-                _last16s(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 8:
-                _last8s(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 4:
-                _last4s(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            else:
-                _last2s(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-    else:
-        if nt:
-            if rows == 16:
-                _last16fn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 8:
-                _last8fn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 4:
-                _last4fn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            else:
-                _last2fn(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-        else:
-            if rows == 16:
-                _last16f(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 8:
-                _last8f(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            elif rows == 4:
-                _last4f(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
-            else:
-                _last2f(scratch, si, sstride, dst, di, stride, pos, stride, key, scale)
+def _rows(nrows, src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign, nt, add,
+          ai, has_add):
+    if nrows == 16:
+        return _rows16(src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign, nt,
+                       add, ai, has_add)
+    if nrows == 8:
+        return _rows8(src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign, nt,
+                      add, ai, has_add)
+    if nrows == 4:
+        return _rows4(src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign, nt,
+                      add, ai, has_add)
+    return _rows2(src, si, sstride, dst, di, dstride, pos, pstride, key, scale, sign, nt, add,
+                  ai, has_add)
 
 
 @njit(cache=True, inline="always")
-def _level(scratch, dst, di, n, pos, key, scale, base, stride, t0, t1, mode, nt):
+def _level(scratch, dst, di, n, pos, key, scale, base, stride, t0, t1, sign, nt, add,
+           has_add):
     """Stride level `stride` over the group of min(16*stride, n) floats at partition offset
-    `base`, columns t0..t1 (multiples of 16): in place in the scratch, or into dst when
-    the group is the whole partition."""
+    `base`, columns t0..t1 (multiples of 16): in place in the scratch, or into dst (with
+    the last signs, the added vector and streaming stores) when the group is the whole
+    partition. Returns the sum of squares written to dst (0 for a scratch level)."""
     group = min(16 * stride, n)
-    rows = group // stride
     sstride = scratch_index(stride)      # rows of an aligned group are equally spaced
+    squares = np.float64(0.0)
     if group == n:
+        rows = n // stride
         for t in range(t0, t1, LANES):
-            _last_level(rows, scratch, scratch_index(base + t), sstride, dst, di + base + t,
-                        stride, pos + base + t, key, scale, mode, nt)
+            squares += _rows(rows, scratch, scratch_index(base + t), sstride, dst,
+                             di + base + t, stride, pos + base + t, stride, key, scale, sign,
+                             nt, add, di + base + t, has_add)
     else:
         for t in range(t0, t1, LANES):
             s = scratch_index(base + t)
-            _ROWS16(scratch, s, sstride, scratch, s, sstride, 0, 0, key, scale)
+            _rows(16, scratch, s, sstride, scratch, s, sstride, 0, 0, key, scale, SIGN_NONE,
+                  False, scratch, 0, False)
+    return squares
 
 
 @njit(cache=True, inline="always")
-def _chunk_into_scratch(src, si, scratch, p, pos, key, scale, mode):
-    if mode == FORWARD:
-        _fwd16(src, si, scratch, scratch_index(p), pos, key, scale)
-    else:
-        _plain16(src, si, scratch, scratch_index(p), pos, key, scale)
+def _chunk_into_scratch(src, si, scratch, p, pos, key, scale, sign):
+    _chunk(16, src, si, scratch, scratch_index(p), pos, key, scale,
+           SIGN_FIRST if sign == SIGN_FIRST else SIGN_NONE, False, scratch, 0, False)
 
 
 @njit(cache=True)
-def _partition(src, si, dst, di, n, pos, key, scale, scratch, mode, nt):
+def _partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add, has_add):
     """One partition of n >= 16 floats, src[si:si+n] -> dst[di:di+n] (pos: padded position
-    of its first float). Post-order: after each chunk, every stride level whose group the
-    chunk completes, so each level runs while its group is still cached."""
+    of its first float); returns the sum of squares of the output. Post-order: after each
+    chunk, every stride level whose group the chunk completes, so each level runs while
+    its group is still cached."""
     if n <= CHUNK:
-        _small_chunk(src, si, dst, di, n, pos, key, scale, mode)
-        return
+        return np.float64(_chunk(n // LANES, src, si, dst, di, pos, key, scale, sign, nt, add,
+                                 di, has_add))
+    squares = np.float64(0.0)
     for c in range(n // CHUNK):
         p = c * CHUNK
-        _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, mode)
+        _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, sign)
         done = p + CHUNK
         stride = CHUNK
         while stride < n:
             group = min(16 * stride, n)
             if done % group:
                 break
-            _level(scratch, dst, di, n, pos, key, scale, done - group, stride, 0, stride,
-                   mode, nt)
+            squares += _level(scratch, dst, di, n, pos, key, scale, done - group, stride, 0,
+                              stride, sign, nt, add, has_add)
             stride = group
+    return squares
 
 
 @njit(cache=True, parallel=True)
-def fwht_shared_partition(src, si, dst, di, n, pos, key, scale, scratch, mode, nt):
+def fwht_shared_partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add,
+                          has_add):
     """One partition of n > 4096 floats, every thread working on it, level by level: the
-    first two levels per 4096 block, then one parallel sweep per stride level."""
+    first two levels per 4096 block, then one parallel sweep per stride level. Returns the
+    sum of squares of the output (per-task partial sums added in task order)."""
     for b in prange(n // 4096):
         for c in range(16):
             p = b * 4096 + c * CHUNK
-            _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, mode)
-        _level(scratch, dst, di, n, pos, key, scale, b * 4096, CHUNK, 0, CHUNK, mode, nt)
+            _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, sign)
+        _level(scratch, dst, di, n, pos, key, scale, b * 4096, CHUNK, 0, CHUNK, sign, nt,
+               add, has_add)
+    squares = np.float64(0.0)
     stride = 4096
     while stride < n:
         group = min(16 * stride, n)
         cols = stride // 256                     # tasks of 256 columns
-        for task in prange((n // group) * cols):
+        tasks = (n // group) * cols
+        partial = np.zeros(tasks, dtype=np.float64)
+        for task in prange(tasks):
             base = (task // cols) * group
             t0 = (task % cols) * 256
-            _level(scratch, dst, di, n, pos, key, scale, base, stride, t0, t0 + 256,
-                   mode, nt)
+            partial[task] = _level(scratch, dst, di, n, pos, key, scale, base, stride, t0,
+                                   t0 + 256, sign, nt, add, has_add)
             if nt:
                 _store_fence()
+        for task in range(tasks):
+            squares += partial[task]
         stride = group
+    return squares
 
 
 @njit(cache=True, parallel=True)
-def fwht_partitions(src, si, dst, di, n, count, pos, key, scale, scratch, mode, nt):
-    """`count` consecutive partitions of n >= 16 floats: src[si + k*n:] -> dst[di + k*n:],
-    padded position pos + k*n; mode PLAIN, FORWARD or INVERSE. scratch: (threads,
-    scratch_size(n)) float32 (unused when n <= 256); thread t takes partitions t,
-    t + threads, ... with its own scratch row."""
+def fwht_partitions(src, si, dst, di, n, count, pos, key, scale, scratch, sign, nt, add,
+                    has_add, squares):
+    """`count` consecutive partitions of n >= 16 floats: src[si + k*n:] -> dst[di + k*n:]
+    (+ add[di + k*n:] when has_add), padded position pos + k*n, signs SIGN_NONE (plain
+    FWHT), SIGN_FIRST (forward RHT) or SIGN_LAST (inverse). squares[k]: the sum of squares
+    of partition k's output. scratch: (threads, scratch_size(n)) float32 (unused when
+    n <= 256); thread t takes partitions t, t + threads, ... with its own scratch row."""
     threads = scratch.shape[0]
     for t in prange(threads):
         for k in range(t, count, threads):
-            _partition(src, si + k * n, dst, di + k * n, n, pos + k * n, key, scale,
-                       scratch[t], mode, nt)
+            squares[k] = _partition(src, si + k * n, dst, di + k * n, n, pos + k * n, key,
+                                    scale, scratch[t], sign, nt, add, has_add)
         if nt:
             _store_fence()
+
+
+# ---- norms --------------------------------------------------------------------------------
+_VD = ir.VectorType(ir.DoubleType(), LANES)
+
+
+@intrinsic
+def _sumsq256(typingctx, x, i):
+    """Sum of squares of x[i:i+256] in float64 (16 lanes, fixed order: deterministic)."""
+    sig = types.float64(x, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_ptr(context, builder, signature.args[0], *args)
+        acc = ir.Constant(_VD, [0.0] * LANES)
+        for k in range(CHUNK // LANES):
+            v = builder.fpext(builder.load(_vector_ptr(builder, ptr, LANES * k), align=4), _VD)
+            acc = builder.fadd(acc, builder.fmul(v, v))
+        return _hsum(builder, acc)
+    return sig, codegen
+
+
+@njit(cache=True, parallel=True)
+def sum_squares(x, starts, lengths, chunk):
+    """Sum of squares of every x[starts[k]:starts[k]+lengths[k]], in float64. Work is split
+    into chunks of `chunk` floats (a multiple of 256) over the threads; the per-chunk sums
+    are added in order, so the result does not depend on the thread count."""
+    parts = starts.shape[0]
+    per_part = np.empty(parts, dtype=np.int64)
+    total = 0
+    for k in range(parts):
+        per_part[k] = (lengths[k] + chunk - 1) // chunk
+        total += per_part[k]
+    first = np.empty(parts, dtype=np.int64)
+    acc = 0
+    for k in range(parts):
+        first[k] = acc
+        acc += per_part[k]
+    sums = np.zeros(total, dtype=np.float64)
+    owner = np.empty(total, dtype=np.int64)
+    for k in range(parts):
+        for c in range(per_part[k]):
+            owner[first[k] + c] = k
+    for t in prange(total):
+        k = owner[t]
+        lo = starts[k] + (t - first[k]) * chunk
+        hi = min(lo + chunk, starts[k] + lengths[k])
+        s = 0.0
+        i = lo
+        while i + CHUNK <= hi:
+            s += _sumsq256(x, i)
+            i += CHUNK
+        while i < hi:
+            v = np.float64(x[i])
+            s += v * v
+            i += 1
+        sums[t] = s
+    out = np.zeros(parts, dtype=np.float64)
+    for t in range(total):
+        out[owner[t]] += sums[t]
+    return out
 
 
 # ---- quantizer ----------------------------------------------------------------------------
@@ -492,10 +557,11 @@ def _x86_fn(builder, name, ret, args):
 
 
 class _GatherLookup:
-    """Cell and interval tables in memory, looked up with gathers (any target, any g)."""
+    """Cell, interval and value tables in memory, looked up with gathers (any target,
+    any g)."""
 
-    def __init__(self, builder, cells_ptr, inv_ptr):
-        self.builder, self.cells, self.inv = builder, cells_ptr, inv_ptr
+    def __init__(self, builder, cells_ptr, inv_ptr, table_ptr):
+        self.builder, self.cells, self.inv, self.table = builder, cells_ptr, inv_ptr, table_ptr
 
     def cell(self, idx):
         # the mask tells LLVM the index is small: 32-bit gather offsets
@@ -505,16 +571,20 @@ class _GatherLookup:
     def inv_width(self, j):
         return _gather(self.builder, self.inv, j, _VF)
 
+    def value(self, z):
+        return _gather(self.builder, self.table, z, _VF)
+
 
 class _PermuteLookup:
     """The same tables held in registers (cells: 32 ints in two vectors, inv_width: 16
     floats), looked up with AVX-512 permutes; needs g <= 31."""
 
-    def __init__(self, builder, cells_ptr, inv_ptr):
+    def __init__(self, builder, cells_ptr, inv_ptr, table_ptr):
         self.builder = builder
         self.lo = builder.load(_vector_ptr(builder, cells_ptr, 0, _VI32), align=4)
         self.hi = builder.load(_vector_ptr(builder, cells_ptr, LANES, _VI32), align=4)
         self.inv = builder.load(_vector_ptr(builder, inv_ptr, 0), align=4)
+        self.table = builder.load(_vector_ptr(builder, table_ptr, 0), align=4)
 
     def cell(self, idx):
         fn = _x86_fn(self.builder, "llvm.x86.avx512.vpermi2var.d.512", _VI32,
@@ -522,8 +592,14 @@ class _PermuteLookup:
         return self.builder.call(fn, [self.lo, idx, self.hi])
 
     def inv_width(self, j):
+        return self._permute(self.inv, j)
+
+    def value(self, z):
+        return self._permute(self.table, z)
+
+    def _permute(self, table, idx):
         fn = _x86_fn(self.builder, "llvm.x86.avx512.permvar.sf.512", _VF, [_VF, _VI32])
-        return self.builder.call(fn, [self.inv, j])
+        return self.builder.call(fn, [table, idx])
 
 
 def _quantize_lanes(builder, x, m, sc, g, u, lookup):
@@ -541,21 +617,28 @@ def _quantize_lanes(builder, x, m, sc, g, u, lookup):
 
 
 def _quantize_kernel(lookup_cls):
-    def typer(typingctx, rot, ri, out, oi, m, sc, g, cells, inv_width, key):
+    def typer(typingctx, rot, ri, out, oi, m, sc, g, cells, inv_width, key, table, step, err,
+              has_err):
         """32 elements rot[ri:ri+32] -> 16 packed bytes out[oi:oi+16] (oi = ri / 2);
         returns how many were NaN/Inf (those quantize as 0). Element 2k+e uses bits
-        40..63 (e = 0) or 8..31 (e = 1) of the hash of counter k, as rng specifies."""
+        40..63 (e = 0) or 8..31 (e = 1) of the hash of counter k, as rng specifies.
+        has_err: also err[ri:ri+32] = x - (T[z] * step - m), the element minus its own
+        dequantized value (rotated-domain error feedback), as dequantize computes it."""
         sig = types.int64(rot, types.intp, out, types.intp, types.float32, types.float32,
-                          types.float32, cells, inv_width, types.uint64)
+                          types.float32, cells, inv_width, types.uint64, table,
+                          types.float32, err, types.boolean)
 
         def codegen(context, builder, signature, args):
-            rot_a, ri_v, out_a, oi_v, m_v, sc_v, g_v, cells_a, inv_a, key_v = args
+            (rot_a, ri_v, out_a, oi_v, m_v, sc_v, g_v, cells_a, inv_a, key_v, table_a,
+             step_v, err_a, has_err_v) = args
             rp = _element_ptr(context, builder, signature.args[0], rot_a, ri_v)
             op = _element_ptr(context, builder, signature.args[2], out_a, oi_v)
+            ep = _element_ptr(context, builder, signature.args[12], err_a, ri_v)
             zero = ir.Constant(_I64, 0)
-            lookup = lookup_cls(builder,
-                                _element_ptr(context, builder, signature.args[7], cells_a, zero),
-                                _element_ptr(context, builder, signature.args[8], inv_a, zero))
+            lookup = lookup_cls(
+                builder, _element_ptr(context, builder, signature.args[7], cells_a, zero),
+                _element_ptr(context, builder, signature.args[8], inv_a, zero),
+                _element_ptr(context, builder, signature.args[10], table_a, zero))
             a = builder.load(_vector_ptr(builder, rp, 0), align=4)
             b = builder.load(_vector_ptr(builder, rp, LANES), align=4)
             even = builder.shuffle_vector(a, b, _const_vec(_VI32, range(0, 2 * LANES, 2)))
@@ -574,15 +657,25 @@ def _quantize_kernel(lookup_cls):
             zeros = _const_vec(_VF, [0.0] * LANES)
             m, sc, g = (_splat(builder, v) for v in (m_v, sc_v, g_v))
             bad = ir.Constant(_I64, 0)
-            z = []
+            xs, z = [], []
             for x, u in ((even, u_even), (odd, u_odd)):
                 finite = builder.fcmp_ordered("<", builder.call(_fabs_fn(builder), [x]), inf)
                 bad = builder.add(bad, builder.zext(builder.call(_ctpop16_fn(builder), [
                     builder.bitcast(builder.not_(finite), _I16)]), _I64))
-                x = builder.select(finite, x, zeros)
-                z.append(_quantize_lanes(builder, x, m, sc, g, u, lookup))
+                xs.append(builder.select(finite, x, zeros))
+                z.append(_quantize_lanes(builder, xs[-1], m, sc, g, u, lookup))
             byte = builder.or_(builder.shl(z[0], _const_vec(_VI32, [4] * LANES)), z[1])
             builder.store(builder.trunc(byte, _VI8), _vector_ptr(builder, op, 0, _VI8), align=1)
+            with builder.if_then(_flag(builder, has_err_v)):
+                step = _splat(builder, step_v)
+                e = [builder.fsub(x, builder.fsub(builder.fmul(lookup.value(zz), step), m))
+                     for x, zz in zip(xs, z)]
+                lo = builder.shuffle_vector(e[0], e[1], _const_vec(
+                    _VI32, [v for k in range(LANES // 2) for v in (k, LANES + k)]))
+                hi = builder.shuffle_vector(e[0], e[1], _const_vec(
+                    _VI32, [v for k in range(LANES // 2, LANES) for v in (k, LANES + k)]))
+                builder.store(lo, _vector_ptr(builder, ep, 0), align=4)
+                builder.store(hi, _vector_ptr(builder, ep, LANES), align=4)
             return bad
         return sig, codegen
     typer.__name__ = f"quantize32_{lookup_cls.__name__.strip('_').lower()}"
@@ -617,7 +710,8 @@ def _index_scalar(x, m, sc, g, cells, inv_width, u):
 
 
 @njit(cache=True, inline="always")
-def _quantize_bytes_scalar(rot, out, k0, k1, m, sc, g, cells, inv_width, key):
+def _quantize_bytes_scalar(rot, out, k0, k1, m, sc, g, cells, inv_width, key, table, step,
+                           err, has_err):
     bad = 0
     for k in range(k0, k1):
         word = _mix64_scalar(key + (np.uint64(k) + rng.U_ONE) * rng.U_GOLDEN)
@@ -634,6 +728,9 @@ def _quantize_bytes_scalar(rot, out, k0, k1, m, sc, g, cells, inv_width, key):
         z0 = _index_scalar(x0, m, sc, g, cells, inv_width, u0)
         z1 = _index_scalar(x1, m, sc, g, cells, inv_width, u1)
         out[k] = np.uint8((z0 << 4) | z1)
+        if has_err:
+            err[2 * k] = x0 - (table[z0] * step - m)
+            err[2 * k + 1] = x1 - (table[z1] * step - m)
     return bad
 
 
@@ -641,10 +738,12 @@ QUANT_TASK = 1 << 15         # bytes per parallel task
 
 
 @njit(cache=True, parallel=True)
-def quantize(rot, half, scale, g, cells, inv_width, log_p, key, out):
+def quantize(rot, half, scale, step, g, cells, inv_width, table, log_p, key, out, err,
+             has_err):
     """Packed 4-bit indices of rot (partition k = element >> log_p uses half[k], scale[k]);
     returns the number of NaN/Inf inputs (quantized as 0). cells[c] = (T[j] << 8) | j for
-    the interval j holding grid cell c; bit-identical to thc.reference.quantize."""
+    the interval j holding grid cell c; bit-identical to thc.reference.quantize.
+    has_err: err = rot - its own dequantized value (T[z] * step[k] - half[k])."""
     nbytes = out.shape[0]
     tasks = (nbytes + QUANT_TASK - 1) // QUANT_TASK
     fast = cells.shape[0] == 2 * LANES and inv_width.shape[0] == LANES
@@ -658,31 +757,36 @@ def quantize(rot, half, scale, g, cells, inv_width, log_p, key, out):
                 part = (2 * k) >> log_p
                 if fast:
                     bad += _quantize32_fast(rot, 2 * k, out, k, half[part], scale[part], g,
-                                            cells, inv_width, key)
+                                            cells, inv_width, key, table, step[part], err,
+                                            has_err)
                 else:
                     bad += _quantize32_gather(rot, 2 * k, out, k, half[part], scale[part], g,
-                                              cells, inv_width, key)
+                                              cells, inv_width, key, table, step[part], err,
+                                              has_err)
                 k += 16
             if k < k1:
                 part = (2 * k) >> log_p
                 bad += _quantize_bytes_scalar(rot, out, k, k1, half[part], scale[part], g,
-                                              cells, inv_width, key)
+                                              cells, inv_width, key, table, step[part], err,
+                                              has_err)
         else:
             for k in range(k0, k1):
                 part = (2 * k) >> log_p
                 bad += _quantize_bytes_scalar(rot, out, k, k + 1, half[part], scale[part], g,
-                                              cells, inv_width, key)
+                                              cells, inv_width, key, table, step[part], err,
+                                              has_err)
     return bad
 
 
 def quantizer_tables(table: np.ndarray, lower: np.ndarray, inv_width: np.ndarray):
-    """(cells, inv_width) for quantize: cells[c] = (T[j] << 8) | j for the interval j
-    holding grid cell c = 0..g. Padded to 32 cells and 16 widths (the register-table
-    layout) when the host can use it and g <= 31."""
+    """(cells, inv_width, values) for quantize: cells[c] = (T[j] << 8) | j for the interval
+    j holding grid cell c = 0..g; values = T as float32. Padded to 32 cells and 16 widths
+    (the register-table layout) when the host can use it and g <= 31."""
     j = lower.astype(np.int32)
     cells = ((np.asarray(table, np.int32)[j] << 8) | j).astype(np.int32)
     inv = np.asarray(inv_width, np.float32)
+    values = np.asarray(table, np.float32)
     if PERMUTE_LOOKUP and len(cells) <= 2 * LANES and len(inv) <= LANES:
         cells = np.concatenate([cells, np.full(2 * LANES - len(cells), cells[-1], np.int32)])
         inv = np.concatenate([inv, np.ones(LANES - len(inv), np.float32)])
-    return cells, inv
+    return cells, inv, values
