@@ -240,3 +240,13 @@ def test_error_feedback_reduces_bias():
     with pytest.raises(ValueError, match="shape"):
         ef.update("v", np.ones(3), np.zeros(3))
         ef.compensate("v", np.ones(4))
+
+
+@pytest.mark.parametrize("partition_size", [16, 1 << 12])     # per-byte path, 32-wide path
+def test_nonfinite_counted_in_every_quantizer_path(partition_size):
+    codec = thc.THCCodec(partition_size=partition_size)
+    r = codec.rotate(np.ones(2 * partition_size, np.float32))
+    r[[1, 6, -1]] = [np.nan, np.inf, -np.inf]
+    norms = np.ones(2, np.float32)
+    with pytest.raises(thc.NonFiniteError, match=f"3 of {2 * partition_size}"):
+        codec.quantize(r, norms, worker=0, round=0, tensor=0)
