@@ -212,17 +212,25 @@ class THCCodec:
         result = out if out is not None else kernels.wrap_like(x, rotated)
         return (result, norms) if with_norms else result
 
-    def inverse_rotate(self, y, d: int):
-        """Inverse RHT of a padded rotated-domain vector, un-padded to length d."""
+    def inverse_rotate(self, y, d: int, *, out=None):
+        """Inverse RHT of a padded rotated-domain vector, un-padded to length d. out: a
+        contiguous float32 buffer of length d to write into and return."""
         kernels = self._kernels(y)
         flat = kernels.as_flat(y, "rotated")
         layout = self.layout(d)
         if kernels.length(flat) != layout.padded:
             raise ValueError(f"rotated vector has length {kernels.length(flat)}, expected "
                              f"padded_length({d}) = {layout.padded}")
-        if not self.rotation:
-            return kernels.wrap_like(y, kernels.unpad(flat, layout))
-        return kernels.wrap_like(y, kernels.inverse_rotate(flat, layout, self.sign_key))
+        out_flat = (None if out is None
+                    else kernels.as_flat(_checked_buffer(out, layout.d, "out"), "out"))
+        if self.rotation and getattr(kernels, "FUSED", False):
+            result = kernels.inverse_rotate(flat, layout, self.sign_key, out=out_flat)
+        else:
+            result = (kernels.inverse_rotate(flat, layout, self.sign_key) if self.rotation
+                      else kernels.unpad(flat, layout))
+            if out_flat is not None:
+                kernels.copy_into(out_flat, result)
+        return out if out is not None else kernels.wrap_like(y, result)
 
     def quantize(self, rotated, max_norms, *, worker: int, round: int, tensor: int,
                  name: str = "rotated", error_out=None):
@@ -271,22 +279,41 @@ class THCCodec:
         counts = kernels.as_counts(counts, layout.padded)
         return kernels.wrap_like(sums, kernels.decode_rotated(flat, counts, half, step, layout))
 
-    def decode(self, sums, counts, max_norms, d: int):
+    def decode(self, sums, counts, max_norms, d: int, *, out=None):
         """Mean estimate of length d from integer sums of table values and contributor
         counts (int, or one per element; count 0 decodes to 0): m + (Y/count)(M-m)/g per
-        partition, then inverse RHT and un-pad."""
-        rotated = self._decode_rotated(sums, counts, max_norms, "sums")
+        partition, then inverse RHT and un-pad. out: a contiguous float32 buffer of length
+        d to write into and return (e.g. the gradient buffer the mean replaces)."""
         layout = self.layout(d)
+        kernels = self._kernels(sums)
+        if self.rotation and getattr(kernels, "FUSED", False):
+            flat = kernels.as_flat(sums, "sums", dtype=None)
+            if kernels.length(flat) != layout.padded:
+                raise ValueError(f"sums have length {kernels.length(flat)}, expected "
+                                 f"padded_length({d}) = {layout.padded}")
+            half, _, step = self._partition_constants(max_norms, layout, "sums")
+            rotated = kernels.decode_rotated(flat, kernels.as_counts(counts, layout.padded),
+                                             half, step, layout,
+                                             out=kernels.decoded_scratch(layout.padded))
+            out_flat = (None if out is None
+                        else kernels.as_flat(_checked_buffer(out, d, "out"), "out"))
+            result = kernels.inverse_rotate(rotated, layout, self.sign_key, out=out_flat)
+            return out if out is not None else kernels.wrap_like(sums, result)
+        rotated = self._decode_rotated(sums, counts, max_norms, "sums")
         kernels = self._kernels(rotated)
         flat = kernels.as_flat(rotated, "rotated")
         if kernels.length(flat) != layout.padded:
             raise ValueError(f"sums have length {kernels.length(flat)}, expected "
                              f"padded_length({d}) = {layout.padded}")
         if not self.rotation:
-            return kernels.wrap_like(rotated, kernels.unpad(flat, layout))
-        # the decoded buffer is ours: transform it in place
-        return kernels.wrap_like(rotated, kernels.inverse_rotate(flat, layout, self.sign_key,
-                                                                 overwrite=True))
+            result = kernels.unpad(flat, layout)
+        else:
+            # the decoded buffer is ours: transform it in place
+            result = kernels.inverse_rotate(flat, layout, self.sign_key, overwrite=True)
+        if out is not None:
+            kernels.copy_into(kernels.as_flat(_checked_buffer(out, d, "out"), "out"), result)
+            return out
+        return kernels.wrap_like(rotated, result)
 
     # ---- conveniences built on the API (simulation, demo, benchmarks) ---------------------
     def compress(self, x, max_norms, *, worker: int, round: int, tensor: int):
