@@ -1,6 +1,7 @@
 """Numba CUDA kernels for the codec, behind codec.THCCodec (picked for CUDA inputs).
 
-Same semantics and the same float32 operation order as thc.cpu_kernels, so quantization
+Same semantics and the same float32 operation order as thc.reference and the CPU kernels
+(thc.vector_kernels), so quantization
 indices agree bit for bit (the hash is integer-only; no fused multiply-add pattern is
 present in the quantizer). Torch CUDA tensors are viewed through
 __cuda_array_interface__ (no copies); outputs come back as torch tensors on the same
@@ -142,7 +143,8 @@ def _fwht_stage4(buf, start, total, log_h):
 
 @cuda.jit(device=True)
 def _index(x, m, sc, g, table_f32, lower, inv_width, u):
-    """Same arithmetic, same order as cpu_kernels._index (bit-identical indices)."""
+    """Same arithmetic, same order as reference.quantize and vector_kernels._quantize_lanes
+    (bit-identical indices)."""
     x = min(max(x, -m), m)
     y = min((x + m) * sc, g)
     j = np.int64(lower[np.int64(y)])
