@@ -1,9 +1,8 @@
 """Numba CUDA kernels for the codec, behind codec.THCCodec (picked for CUDA inputs).
 
 Same semantics and the same float32 operation order as thc.reference and the CPU kernels
-(thc.vector_kernels), so quantization
-indices agree bit for bit (the hash is integer-only; no fused multiply-add pattern is
-present in the quantizer). Torch CUDA tensors are viewed through
+(thc.vector_kernels), so quantization indices agree bit for bit (the hash is integer-only;
+no fused multiply-add pattern is present in the quantizer). Torch CUDA tensors are viewed through
 __cuda_array_interface__ (no copies); outputs come back as torch tensors on the same
 device, or as Numba device arrays for Numba inputs. Tested under NUMBA_ENABLE_CUDASIM=1.
 """
