@@ -153,30 +153,35 @@ def _cross_stages(builder, vs):
     return vs
 
 
-def _branch(builder, flag, then_fn, value):
-    """then_fn(value) if the runtime i1 `flag` else value (a branch: the work is skipped,
-    and LLVM unswitches it out of the caller's loop)."""
+def _branch(builder, flag, then_fn, values):
+    """then_fn(values) if the runtime i1 `flag` else values, for a list of vectors: one
+    branch per kernel call (skipping the work; LLVM may unswitch it out of the loop)."""
     with builder.if_else(flag) as (then, otherwise):
         with then:
-            taken = then_fn(value)
+            taken = then_fn(values)
             taken_block = builder.block
         with otherwise:
             other_block = builder.block
-    phi = builder.phi(value.type)
-    phi.add_incoming(taken, taken_block)
-    phi.add_incoming(value, other_block)
-    return phi
+    out = []
+    for t, v in zip(taken, values):
+        phi = builder.phi(v.type)
+        phi.add_incoming(t, taken_block)
+        phi.add_incoming(v, other_block)
+        out.append(phi)
+    return out
 
 
-def _store(builder, value, ptr, nontemporal):
-    """Store a vector; streaming (non-temporal, 64-byte aligned) when the runtime i1 is set."""
+def _store_all(builder, values, ptrs, nontemporal):
+    """Store vectors; streaming (non-temporal, 64-byte aligned) when the runtime i1 is set."""
     with builder.if_else(nontemporal) as (streaming, normal):
         with streaming:
-            inst = builder.store(value, ptr, align=64)
-            inst.set_metadata("nontemporal",
-                              builder.module.add_metadata([ir.Constant(_I32, 1)]))
+            for v, p in zip(values, ptrs):
+                inst = builder.store(v, p, align=64)
+                inst.set_metadata("nontemporal",
+                                  builder.module.add_metadata([ir.Constant(_I32, 1)]))
         with normal:
-            builder.store(value, ptr, align=4)
+            for v, p in zip(values, ptrs):
+                builder.store(v, p, align=4)
 
 
 def _hsum(builder, v):
@@ -192,17 +197,22 @@ def _hsum(builder, v):
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
+def _signed_all(builder, vs, positions, key, scale_vec):
+    return [_signed_scaled(builder, v, _sign_mask(builder, key, p), scale_vec)
+            for v, p in zip(vs, positions)]
+
+
 def _finish(builder, vs, positions, dst_ptrs, key, scale_vec, sign, add_ptrs, has_add, nt):
     """Shared tail of the FWHT kernels: optional sign and scale (inverse RHT), optional
-    added vector (rotated-domain error feedback), store, and the sum of squares of what
+    added vectors (rotated-domain error feedback), store, and the sum of squares of what
     was stored (the partition norm for free)."""
+    vs = _branch(builder, sign, lambda vs: _signed_all(builder, vs, positions, key, scale_vec),
+                 vs)
+    vs = _branch(builder, has_add, lambda vs: [
+        builder.fadd(v, builder.load(ap, align=4)) for v, ap in zip(vs, add_ptrs)], vs)
+    _store_all(builder, vs, dst_ptrs, nt)
     squares = _const_vec(_VF, [0.0] * LANES)
-    for v, p, dp, ap in zip(vs, positions, dst_ptrs, add_ptrs):
-        v = _branch(builder, sign, lambda v, p=p: _signed_scaled(
-            builder, v, _sign_mask(builder, key, p), scale_vec), v)
-        v = _branch(builder, has_add, lambda v, ap=ap: builder.fadd(
-            v, builder.load(ap, align=4)), v)
-        _store(builder, v, dp, nt)
+    for v in vs:
         squares = builder.fadd(squares, builder.fmul(v, v))
     return _hsum(builder, squares)
 
@@ -243,13 +253,11 @@ def chunk_kernel(nvec: int):
             first = builder.icmp_signed("==", sign_v, ir.Constant(_I64, SIGN_FIRST))
             last = builder.icmp_signed("==", sign_v, ir.Constant(_I64, SIGN_LAST))
             positions = [builder.add(pos_v, ir.Constant(_I64, LANES * k)) for k in range(nvec)]
-            vs = []
-            for k in range(nvec):
-                v = builder.load(_vector_ptr(builder, sp, LANES * k), align=4)
-                v = _branch(builder, first, lambda v, p=positions[k]: _signed_scaled(
-                    builder, v, _sign_mask(builder, key_v, p), scale_vec), v)
-                vs.append(_lane_stages(builder, v))
-            vs = _cross_stages(builder, vs)
+            vs = [builder.load(_vector_ptr(builder, sp, LANES * k), align=4)
+                  for k in range(nvec)]
+            vs = _branch(builder, first, lambda vs: _signed_all(builder, vs, positions, key_v,
+                                                                scale_vec), vs)
+            vs = _cross_stages(builder, [_lane_stages(builder, v) for v in vs])
             return _finish(builder, vs, positions,
                            [_vector_ptr(builder, dp, LANES * k) for k in range(nvec)],
                            key_v, scale_vec, last,
@@ -413,39 +421,63 @@ def _partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add, has
     return squares
 
 
-@njit(cache=True, parallel=True)
-def fwht_shared_partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add,
-                          has_add):
-    """One partition of n > 4096 floats, every thread working on it, level by level: the
-    first two levels per 4096 block, then one parallel sweep per stride level. Returns the
-    sum of squares of the output (per-task partial sums added in task order)."""
-    for b in prange(n // 4096):
-        for c in range(16):
-            p = b * 4096 + c * CHUNK
-            _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, sign)
-        _level(scratch, dst, di, n, pos, key, scale, b * 4096, CHUNK, 0, CHUNK, sign, nt,
-               add, has_add)
-    squares = np.float64(0.0)
-    stride = 4096
-    while stride < n:
-        group = min(16 * stride, n)
-        cols = stride // 256                     # tasks of 256 columns
-        tasks = (n // group) * cols
-        partial = np.zeros(tasks, dtype=np.float64)
-        for task in prange(tasks):
-            base = (task // cols) * group
-            t0 = (task % cols) * 256
-            partial[task] = _level(scratch, dst, di, n, pos, key, scale, base, stride, t0,
-                                   t0 + 256, sign, nt, add, has_add)
+def _shared_partition_driver(sign, nt, has_add):
+    @njit(cache=True, parallel=True)
+    def shared_partition(src, si, dst, di, n, pos, key, scale, scratch, add):
+        for b in prange(n // 4096):
+            for c in range(16):
+                p = b * 4096 + c * CHUNK
+                _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, sign)
+            _level(scratch, dst, di, n, pos, key, scale, b * 4096, CHUNK, 0, CHUNK, sign, nt,
+                   add, has_add)
+        squares = np.float64(0.0)
+        stride = 4096
+        while stride < n:
+            group = min(16 * stride, n)
+            cols = stride // 256                     # tasks of 256 columns
+            tasks = (n // group) * cols
+            partial = np.zeros(tasks, dtype=np.float64)
+            for task in prange(tasks):
+                base = (task // cols) * group
+                t0 = (task % cols) * 256
+                partial[task] = _level(scratch, dst, di, n, pos, key, scale, base, stride, t0,
+                                       t0 + 256, sign, nt, add, has_add)
+                if nt:
+                    _store_fence()
+            for task in range(tasks):
+                squares += partial[task]
+            stride = group
+        return squares
+    return shared_partition
+
+
+def _partitions_driver(sign, nt, has_add):
+    @njit(cache=True, parallel=True)
+    def partitions(src, si, dst, di, n, count, pos, key, scale, scratch, add, squares):
+        threads = scratch.shape[0]
+        for t in prange(threads):
+            for k in range(t, count, threads):
+                squares[k] = _partition(src, si + k * n, dst, di + k * n, n, pos + k * n, key,
+                                        scale, scratch[t], sign, nt, add, has_add)
             if nt:
                 _store_fence()
-        for task in range(tasks):
-            squares += partial[task]
-        stride = group
-    return squares
+    return partitions
 
 
-@njit(cache=True, parallel=True)
+# One compiled driver per (signs, streaming stores, added vector): the flags are constants
+# inside, so the kernels carry no branches for them; each is compiled on first use.
+_DRIVERS = {}
+
+
+def _driver(kind, sign, nt, has_add):
+    spec = (kind, int(sign), bool(nt), bool(has_add))
+    fn = _DRIVERS.get(spec)
+    if fn is None:
+        make = _partitions_driver if kind == "partitions" else _shared_partition_driver
+        fn = _DRIVERS[spec] = make(*spec[1:])
+    return fn
+
+
 def fwht_partitions(src, si, dst, di, n, count, pos, key, scale, scratch, sign, nt, add,
                     has_add, squares):
     """`count` consecutive partitions of n >= 16 floats: src[si + k*n:] -> dst[di + k*n:]
@@ -453,13 +485,17 @@ def fwht_partitions(src, si, dst, di, n, count, pos, key, scale, scratch, sign, 
     FWHT), SIGN_FIRST (forward RHT) or SIGN_LAST (inverse). squares[k]: the sum of squares
     of partition k's output. scratch: (threads, scratch_size(n)) float32 (unused when
     n <= 256); thread t takes partitions t, t + threads, ... with its own scratch row."""
-    threads = scratch.shape[0]
-    for t in prange(threads):
-        for k in range(t, count, threads):
-            squares[k] = _partition(src, si + k * n, dst, di + k * n, n, pos + k * n, key,
-                                    scale, scratch[t], sign, nt, add, has_add)
-        if nt:
-            _store_fence()
+    _driver("partitions", sign, nt, has_add)(src, si, dst, di, n, count, pos, key, scale,
+                                             scratch, add, squares)
+
+
+def fwht_shared_partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add,
+                          has_add):
+    """One partition of n > 4096 floats, every thread working on it, level by level: the
+    first two levels per 4096 block, then one parallel sweep per stride level. Returns the
+    sum of squares of the output (per-task partial sums added in task order)."""
+    return _driver("shared", sign, nt, has_add)(src, si, dst, di, n, pos, key, scale, scratch,
+                                                add)
 
 
 # ---- norms --------------------------------------------------------------------------------
