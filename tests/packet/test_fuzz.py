@@ -13,7 +13,7 @@ from scapy.packet import Raw, fuzz
 
 from dataplane.config import Route
 from dataplane.reference import GLOBAL_COUNTERS
-from host.packets import AGG_PORT_BASE, AggHeader, parse_frame
+from host.packets import AGG_PORT_BASE, VERSION, AggHeader, parse_frame
 from .scenario import (SWITCH_IP, SWITCH_MAC, check_result, data_frames, flush_frame,
                        make_config, make_job, outputs, sums_of)
 from .targets.reference import ReferenceTarget
@@ -72,7 +72,8 @@ def accounted(counters) -> int:
     g = counters["global"]
     total = sum(g[k] for k in GLOBAL_COUNTERS if not k.startswith("dlcp_"))
     for jc in counters["jobs"].values():
-        total += jc["rx"] + jc["drop_bad_slot"] + jc["drop_not_member"] + jc["drop_bad_expected"]
+        total += (jc["rx"] + jc["drop_bad_slot"] + jc["drop_not_member"]
+                  + jc["drop_bad_expected"] + jc["drop_unsatisfiable"])
         assert jc["rx"] == (jc["aggregated"] + jc["drop_duplicate"] + jc["results_reserved"]
                             + jc["straggler_notices"] + jc["flushes"])
     return total
@@ -96,7 +97,7 @@ def test_fuzzed_input_never_raises_and_every_frame_is_counted():
             continue                      # forwarded ordinary traffic, passed through
         p = parse_frame(frame)
         assert p.eth_src == SWITCH_MAC and p.ip_src == SWITCH_IP and p.ip_checksum_ok
-        assert p.header is not None and int(p.header["ver_type"]) >> 4 == 1
+        assert p.header is not None and int(p.header["ver_type"]) >> 4 == VERSION
 
     # After the storm: flush, then one valid round per job aggregates exactly.
     for job in jobs:

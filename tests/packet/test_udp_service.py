@@ -109,7 +109,7 @@ def test_reserve_strangers_and_garbage(workers):
 def test_members_sharing_an_address_are_refused(process):
     m = Member(0, 0, "02:00:00:00:00:01", "127.0.0.1", 41000)
     config = SwitchConfig(jobs=(Job(1, 4, TABLE, (m, Member(1, 0, m.mac, m.ip, m.udp_port))),))
-    with pytest.raises(ConfigError, match="share the UDP address"):
+    with pytest.raises(ConfigError, match="workers 0 and 1 share the address 127.0.0.1:41000"):
         serve(config, "127.0.0.1", 0, process=process)
 
 
