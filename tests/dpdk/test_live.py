@@ -145,11 +145,26 @@ def test_tap_service_aggregates_for_udp_sockets(switch_bin):
             for w, s in enumerate(socks):
                 data, (src_ip, src_port) = s.recvfrom(4096)
                 assert (src_ip, src_port) == (cfg.ip, 50000)
-                assert data[0] == 0x11 and data[6] == w             # v1 RESULT for worker w
+                assert data[0] == 0x21 and data[6] == w             # v2 RESULT for worker w
                 np.testing.assert_array_equal(np.frombuffer(data[32:], np.uint8), want)
             stats = service.counters()
             assert stats["jobs"]["4"]["aggregated"] == 3
             assert stats["jobs"]["4"]["results_multicast"] == 1
+            # Every member shares the tap's MAC and IPv4 address: the UDP port tells them
+            # apart (protocol §4.1). Worker 1's socket posing as worker 0, and a socket
+            # that is no member, are refused.
+            stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            socks.append(stranger)
+            stranger.bind(("0.0.0.0", 0))
+            forged = streams.data_frame(members[0], idx[0], job=4, slot=6, round_=0,
+                                        expected=0b111)[42:]
+            socks[1].sendto(forged, (cfg.ip, 50000))
+            stranger.sendto(forged, (cfg.ip, 50000))
+            deadline = time.monotonic() + 5
+            while service.counters()["jobs"]["4"]["drop_not_member"] < 2:
+                assert time.monotonic() < deadline, service.counters()
+                time.sleep(0.05)
+            assert service.counters()["jobs"]["4"]["aggregated"] == 3
     finally:
         for s in socks:
             s.close()

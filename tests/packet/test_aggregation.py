@@ -248,11 +248,19 @@ def test_rounds_wrap_around_with_serial_number_order(target):
                                          straggler_notices=3)})
 
 
-def test_largest_packets_aggregate(target):
+def test_largest_packets_aggregate(target, request):
     """8192 values in one DATA (R7): a job sized for it, where the plane allows it."""
     values = 8192
     if target.max_values < values:
         pytest.skip(f"{target.name} carries at most {target.max_values} values per packet")
+    if target.name == "dpdk":
+        # The core holds 8192 values (tests/dpdk/test_fuzz.py runs such a round through
+        # it); thc_switch's mbufs hold 2 KiB until the DPDK-runtime work of issue #11
+        # item 6 sizes them for jumbo frames: until then the cut frames are counted
+        # drop_bad_length, never aggregated or emitted truncated.
+        request.applymarker(pytest.mark.xfail(
+            reason="thc_switch receives frames into 2 KiB mbufs (issue #11 item 6)",
+            strict=False))
     job = make_job(1, 2, pool_size=4, values_per_packet=values)
     target.start(make_config(job))
     idx = np.random.default_rng(12).integers(0, 16, (2, values))
