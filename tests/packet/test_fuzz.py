@@ -52,12 +52,24 @@ def scapy_fuzzed(rng):
     return bytes(pkt)
 
 
+def as_fragment(rng, frame):
+    """The frame with random IPv4 fragment bits (MF and/or an offset), checksum left as is."""
+    f = bytearray(frame)
+    f[20:22] = (int(rng.integers(0, 2)) << 13 | int(rng.integers(0, 3)) * 7).to_bytes(2, "big")
+    if f[20:22] == b"\0\0":
+        f[20] = 0x20
+    return bytes(f)
+
+
 def storm(rng, jobs):
     for _ in range(N_FRAMES):
         port = int(rng.integers(0, 6))
         kind = rng.random()
-        if kind < 0.35:
+        if kind < 0.31:
             yield from valid_frame(rng, jobs)[:1]
+        elif kind < 0.35:
+            p, f = valid_frame(rng, jobs)[0]
+            yield p, as_fragment(rng, f)
         elif kind < 0.7:
             p, f = valid_frame(rng, jobs)[0]
             yield (p if rng.random() < 0.8 else port), mutate(rng, f)
@@ -92,6 +104,7 @@ def test_fuzzed_input_never_raises_and_every_frame_is_counted():
     assert accounted(c) == len(frames)
     assert c["global"]["forwarded"] > 0 and c["jobs"][1]["aggregated"] > 0
     assert sum(c["global"][k] for k in ("drop_truncated", "drop_bad_version", "drop_bad_length")) > 0
+    assert c["global"]["drop_fragment"] > 0 and c["jobs"][1]["drop_unsatisfiable"] > 0
     for port, frame in emitted:
         if port == 5:
             continue                      # forwarded ordinary traffic, passed through
