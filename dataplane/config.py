@@ -50,29 +50,6 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def popcount(bitmap: int) -> int:
-    return bin(bitmap).count("1")
-
-
-def unsatisfiable_reason(expected: int, min_count: int, member_mask: int,
-                         member_count: int) -> str | None:
-    """Why a DATA with these fields could never complete in a job (protocol §4.1, R3), or None.
-
-    `expected` naming a worker outside the job, or `min_count` above the number of workers
-    who may contribute (popcount(expected), or the job's size when expected is 0).
-    """
-    strangers = expected & ~member_mask
-    if strangers:
-        names = [w for w in range(MAX_WORKERS) if strangers >> w & 1]
-        return f"expected {expected:#x} names workers {names} that are not members of the job"
-    if min_count > 0:
-        can_contribute = popcount(expected) if expected else member_count
-        if min_count > can_contribute:
-            return (f"min_count {min_count} exceeds the {can_contribute} workers who may "
-                    "contribute" + (f" (expected {expected:#x})" if expected else " (the job's size)"))
-    return None
-
-
 @dataclass(frozen=True)
 class Member:
     worker: int
@@ -124,10 +101,6 @@ class Job:
     @property
     def member_count(self) -> int:
         return len(self.members)
-
-    def unsatisfiable(self, expected: int, min_count: int) -> str | None:
-        """Why a DATA of this job with these fields could never complete, or None (R3)."""
-        return unsatisfiable_reason(expected, min_count, self.member_mask, self.member_count)
 
     def validate(self, max_slots: int = 65536, max_values: int = MAX_VALUES,
                  plane: str = "this data plane") -> None:
