@@ -77,9 +77,19 @@ control DlcpAdmission(inout headers_t hdr,
                 mark_to_drop(standard_metadata);
                 dlcp_counters.count(DC_SELECTIVE_DROP);
             } else if (hdr.ipv4.ecn != 3) {
-                /* ECT: important, kept and marked Congestion Experienced */
+                /* ECT: important, kept and marked Congestion Experienced. The
+                 * checksum is updated incrementally (RFC 1624 eqn. 3, protocol.md 1):
+                 * right for any IHL, a bad checksum stays bad by as much. */
+                bit<16> old_word = hdr.ipv4.version ++ hdr.ipv4.ihl ++ hdr.ipv4.dscp
+                                   ++ hdr.ipv4.ecn;
                 hdr.ipv4.ecn = 3;
-                meta.ipv4_changed = 1;
+                bit<16> new_word = hdr.ipv4.version ++ hdr.ipv4.ihl ++ hdr.ipv4.dscp
+                                   ++ hdr.ipv4.ecn;
+                bit<32> sum = (bit<32>)(~hdr.ipv4.hdr_checksum) + (bit<32>)(~old_word)
+                              + (bit<32>)new_word;
+                sum = (sum & 0xFFFF) + (sum >> 16);
+                sum = (sum & 0xFFFF) + (sum >> 16);
+                hdr.ipv4.hdr_checksum = ~sum[15:0];
                 dlcp_counters.count(DC_CE_MARKED);
             }
         }

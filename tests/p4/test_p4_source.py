@@ -102,7 +102,7 @@ def full_config() -> SwitchConfig:
     table = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
     members = tuple(Member(w, w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.0.{w + 1}", 40000 + w)
                     for w in range(3))
-    return SwitchConfig(jobs=(Job(1, 8, table, members),),
+    return SwitchConfig(jobs=(Job(1, 8, table, members, values_per_packet=64),),
                         routes=(Route("10.9.0.0/16", 1, "02:00:00:00:09:09",
                                       extra_hops=((2, "02:00:00:00:09:0a"),)),)).validate()
 

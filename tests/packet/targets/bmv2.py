@@ -31,7 +31,7 @@ from .base import Target
 
 CLONE_NEWNET = 0x40000000
 PACKET_OUTGOING = 4
-QUEUE_DEPTH = 1024             # above any DLCP capacity: BMv2 never tail-drops uncounted
+QUEUE_DEPTH = 1024             # at least; always above the DLCP capacity (see _configure_queues)
 DRAIN_RATE = 100000            # packets/s once a paused port is released
 MIN_PORTS = 8
 QUIET_S = 0.3                  # no frame for this long: the switch has emitted everything
@@ -99,11 +99,14 @@ class Bmv2Target(Target):
         self._thrift_port = 0
         self._paused: list[int] = []
         self._rates: dict[int, float] = {}
+        self._queue_depth = QUEUE_DEPTH
 
     # -- set-up --
     def start(self, config: SwitchConfig, port_rates: dict[int, float] | None = None) -> None:
         plan_switch(config)            # refuses a bad config before anything is created
         compile_program()
+        # above the DLCP capacity, so BMv2 never tail-drops what the DLCP stage admitted
+        self._queue_depth = max(QUEUE_DEPTH, config.dlcp.capacity + 1)
         self._rates = {p: r for p, r in (port_rates or {}).items() if r is not None}
         if any(r < 0 for r in self._rates.values()):
             raise ValueError(f"service rates must be >= 0 packets/s, got {self._rates}")
@@ -163,7 +166,7 @@ class Bmv2Target(Target):
             raise RuntimeError(f"simple_switch_CLI failed: {proc.stdout}{proc.stderr}")
 
     def _configure_queues(self) -> None:
-        commands = [f"set_queue_depth {QUEUE_DEPTH}"]
+        commands = [f"set_queue_depth {self._queue_depth}"]
         for port, rate in self._rates.items():
             commands.append(f"set_queue_rate {1 if rate == 0 else int(rate)} {port}")
         self._cli(commands)
