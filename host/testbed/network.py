@@ -276,6 +276,7 @@ class Testbed:
             self.controller = P4Controller(switch.grpc_addr, timeout=20.0)
             self.controller.connect(DEFAULT_P4INFO, DEFAULT_BMV2_JSON)
             self.controller.install(self.config)
+            switch.set_queue_depth()       # the DLCP stage's queue depth (p4control)
 
     @staticmethod
     def _env() -> dict:
