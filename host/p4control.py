@@ -31,7 +31,10 @@ from dataplane.config import (NUM_QUEUES, ConfigError, Job, SwitchConfig)
 
 # ---- resource limits of p4src/v1model (headers.p4); keep in step with the P4 ----
 BMV2_MAX_VALUES = 64           # values per packet (protocol.md §8)
-BMV2_MAX_CAPACITY = (1 << 19) - 1   # DLCP capacity: enq_qdepth is 19 bits
+BMV2_DLCP_HISTORY = 1024       # DLCP_HISTORY in headers.p4
+BMV2_QUEUE_DEPTH = BMV2_DLCP_HISTORY - 1   # set_queue_depth: enq_qdepth stays below the history
+BMV2_MAX_CAPACITY = BMV2_QUEUE_DEPTH       # DLCP capacity: BMv2 holds that many per queue
+BMV2_DLCP_PORTS = 32           # DLCP_PORTS in headers.p4: switch ports 0..31
 INDEX_BYTES = BMV2_MAX_VALUES // 2
 BMV2_MAX_JOBS = 16
 BMV2_SLOT_BUDGET = 4096        # slots of all jobs together (two copies each)
@@ -58,6 +61,7 @@ LOOKUP_CONTROL = "SwitchIngress.lookup_{position}"
 C_JOB = "SwitchIngress.job_counters"
 C_GLOBAL = "SwitchIngress.global_counters"
 C_DLCP = "SwitchEgress.dlcp_admission.dlcp_counters"
+C_QUEUE_DEPARTURES = "SwitchEgress.dlcp_admission.queue_departures"
 
 # Counter cells (p4src/v1model/counters.p4) -> protocol.md §4.5 names.
 JOB_COUNTER_CELLS = {
@@ -142,8 +146,14 @@ def job_layouts(config: SwitchConfig) -> dict[int, JobLayout]:
                     plane="the BMv2 program")
     if config.dlcp.capacity > BMV2_MAX_CAPACITY:
         raise ConfigError(f"dlcp: capacity {config.dlcp.capacity} exceeds the BMv2 program's "
-                          f"limit of {BMV2_MAX_CAPACITY} packets (enq_qdepth is 19 bits); "
-                          "lower capacity")
+                          f"limit of {BMV2_MAX_CAPACITY} packets (its queue depth, below "
+                          f"DLCP_HISTORY = {BMV2_DLCP_HISTORY}); lower capacity")
+    ports = sorted({m.port for j in config.jobs for m in j.members}
+                   | {p for r in config.routes for p, _ in r.next_hops})
+    if ports and ports[-1] >= BMV2_DLCP_PORTS:
+        raise ConfigError(f"switch port {ports[-1]}: the BMv2 program keeps DLCP queue state "
+                          f"for ports 0..{BMV2_DLCP_PORTS - 1} (DLCP_PORTS in "
+                          "p4src/v1model/headers.p4); renumber the ports")
     if len(config.jobs) > BMV2_MAX_JOBS:
         raise ConfigError(f"{len(config.jobs)} jobs; the BMv2 program holds at most "
                           f"{BMV2_MAX_JOBS} (MAX_JOBS in p4src/v1model/headers.p4)")
@@ -418,6 +428,13 @@ class P4Controller:
             raise P4ControlError("connect() and install() before reading counters")
         return counters_from_cells(self.plan.layouts, self._read_counter(C_JOB),
                                    self._read_counter(C_GLOBAL), self._read_counter(C_DLCP))
+
+    def port_departures(self, port: int) -> int:
+        """Packets of `port`'s eight queues through the egress DLCP stage so far."""
+        if self._sh is None:
+            raise P4ControlError("connect() before reading counters")
+        cells = self._read_counter(C_QUEUE_DEPARTURES)
+        return sum(cells.get(port * NUM_QUEUES + q, 0) for q in range(NUM_QUEUES))
 
 
 # --------------------------------------------------------------------------- CLI

@@ -10,6 +10,9 @@
 #define MAX_JOBS        16
 #define SLOT_BUDGET     4096        /* slots of all jobs together */
 #define SLOT_COPIES     8192        /* two copies (round parity) per slot */
+#define DLCP_PORTS      32          /* switch ports with DLCP queues (a power of two) */
+#define DLCP_QUEUES     256         /* DLCP_PORTS x 8 priority queues */
+#define DLCP_HISTORY    1024        /* > any BMv2 queue depth (a power of two) */
 
 typedef bit<48> mac_addr_t;
 typedef bit<32> ipv4_addr_t;
@@ -32,6 +35,12 @@ const bit<16> AGG_HEADER_LEN = 32;
 const bit<16> UDP_HEADER_LEN = 8;
 const bit<16> IPV4_HEADER_LEN = 20;
 const bit<32> L2_TO_AGG_LEN  = 74;      /* Ethernet + IPv4 + UDP + AGG header */
+
+/* DLCP admission verdicts (dlcp.p4) */
+const bit<2> VERDICT_PASS           = 0;
+const bit<2> VERDICT_MARK           = 1;  /* above K, ECT: CE mark */
+const bit<2> VERDICT_SELECTIVE_DROP = 2;  /* above K, Not-ECT */
+const bit<2> VERDICT_BUFFER_DROP    = 3;  /* at capacity */
 
 /* Outcome of the slot state machine (protocol.md section 4.2). */
 const bit<3> OUTCOME_PENDING      = 0;  /* aggregated, round not complete: consumed */

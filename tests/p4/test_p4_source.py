@@ -1,6 +1,7 @@
 """The P4 program (p4src/v1model) against the controller and the wire protocol, without p4c.
 
-p4c is not installable here, so these checks read the preprocessed source: every entry
+These checks read the preprocessed source and run wherever cpp is (test_p4_compile.py
+compiles with p4c where it is on PATH): every entry
 the controller plans names a table, key fields, action and parameters that exist in the
 program (with p4c's P4Info naming: control instance path + local name); each table is
 applied once per control; the AGG header matches HEADER_DTYPE; the counter cells and

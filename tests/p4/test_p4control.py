@@ -98,9 +98,14 @@ def test_what_the_program_cannot_hold_is_refused_with_its_limit():
     with pytest.raises(ConfigError, match="the BMv2 program's limit of 64 values per packet; "
                                           "lower values_per_packet"):
         pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(2), 65),)))
-    with pytest.raises(ConfigError, match="limit of 524287 packets"):
+    with pytest.raises(ConfigError, match="limit of 1023 packets .*; lower capacity"):
         pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(2), VPP),),
-                                    dlcp=Dlcp(capacity=1 << 19)))
+                                    dlcp=Dlcp(capacity=pc.BMV2_MAX_CAPACITY + 1)))
+    pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(2), VPP),),
+                                dlcp=Dlcp(capacity=pc.BMV2_MAX_CAPACITY)))
+    far = Member(0, pc.BMV2_DLCP_PORTS, "02:00:00:00:00:01", "10.0.0.1", 41000)
+    with pytest.raises(ConfigError, match="switch port 32: .* ports 0..31 .*renumber"):
+        pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, (far,), VPP),)))
 
 
 def test_egress_addressing_uses_switch_source_and_member_destination():
