@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dataplane.config import DEFAULT_VALUES_PER_PACKET
 from host.packets import (FLAG_RETX, HEADER_DTYPE, HEADER_LEN, TYPE_FLUSH, TYPE_RESULT,
                           TYPE_STRAGGLER, VERSION, decode_headers, encode_data, encode_headers,
                           header_types, scatter_payloads)
@@ -297,6 +298,7 @@ class AggregatorTransport:
 
     job, worker, expected: header fields (expected = bitmap of the job's workers);
     pool_size: the job's slot pool (as installed on the aggregator); values_per_packet:
+    the job's values_per_packet as installed (default: the job description's default),
     at most the aggregator's MAX_VALUES; min_count: partial aggregation threshold carried
     in the headers (0 = all expected); timeout: seconds without any progress before
     AggregatorTimeout; local: (ip, port) to bind (the aggregator's membership table names
@@ -305,7 +307,7 @@ class AggregatorTransport:
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,
-                 values_per_packet: int = MAX_VALUES, min_count: int = 0,
+                 values_per_packet: int = DEFAULT_VALUES_PER_PACKET, min_count: int = 0,
                  timeout: float = 30.0, local=("0.0.0.0", 0), policy=default_policy,
                  timer: RetransmitTimer | None = None, on_straggler: str = "raise",
                  sock: socket.socket | None = None):
