@@ -1,5 +1,8 @@
 """Numba CPU kernels (@njit(parallel=True)) for the codec, behind codec.THCCodec.
 
+Every kernel releases the GIL (nogil=True): host.allreduce runs the codec on its
+exchange thread while the training thread goes on with backward.
+
 Each kernel is a plain loop; the Python functions at the bottom own shapes, dtypes and the
 per-partition loop, with the same signatures as the numpy reference backend.
 
@@ -39,7 +42,7 @@ def _negate(pos, word):
 
 
 # ---- norms ------------------------------------------------------------------------------
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _chunk_sumsq(x, chunk):
     n = x.shape[0]
     chunks = (n + chunk - 1) // chunk
@@ -126,7 +129,7 @@ def _block_stages(buf, base, block):
             _butterfly2(buf[i:i + h], buf[i + h:i + 2 * h])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _fwht_small(buf, start, n):
     """Plain radix-2 for partitions shorter than 8."""
     h = 1
@@ -140,7 +143,7 @@ def _fwht_small(buf, start, n):
         h *= 2
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _radix4_pass(buf, start, n, h, chunk):
     """Strides h and 2h over the partition; tasks are (group of 4h, chunk of h)."""
     per_group = h // chunk
@@ -150,7 +153,7 @@ def _radix4_pass(buf, start, n, h, chunk):
                     buf[i + 3 * h:i + 3 * h + chunk])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _radix2_pass(buf, start, n, h, chunk):
     per_group = h // chunk
     for task in prange((n // (2 * h)) * per_group):
@@ -195,7 +198,7 @@ def _sign_scale_range(src, dst, lo, hi, d, key, scale):
         pos = stop
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _sign_pad_blocks(x, out, d, start, n, block, key, scale):
     """Forward first pass: out = sign * scale * x (zero past d), then the in-block strides."""
     for b in prange(n // block):
@@ -205,7 +208,7 @@ def _sign_pad_blocks(x, out, d, start, n, block, key, scale):
             _block_stages(out, base, block)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _blocks_sign_unpad(buf, out, d, start, n, block, key, scale):
     """Inverse last pass: the in-block strides, then out = sign * scale * buf below d."""
     for b in prange(n // block):
@@ -251,7 +254,7 @@ def fwht_inplace(buf: np.ndarray, start: int, n: int) -> None:
     _large_strides(buf, start, n, n, block)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _fwht_blocks(buf, start, n, block):
     for b in prange(n // block):
         _block_stages(buf, start + b * block, block)
@@ -270,7 +273,7 @@ def _index(x, m, sc, g, table_f32, lower, inv_width, u):
     return j + np.int64(u < frac)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _quantize(rot, half, scale, table_f32, lower, inv_width, log_p, key, out):
     """Clamp, map to grid units, stochastically round to a bracketing table value, pack
     (element 2k in the high nibble). Returns the number of NaN/Inf inputs (index 0)."""
@@ -298,7 +301,7 @@ def _quantize(rot, half, scale, table_f32, lower, inv_width, log_p, key, out):
     return nonfinite
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _lookup(packed, table_u8, out):
     for k in prange(packed.shape[0]):
         b = packed[k]
@@ -306,7 +309,7 @@ def _lookup(packed, table_u8, out):
         out[2 * k + 1] = table_u8[b & 15]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _decode_rotated(sums, counts, half, step, log_p, out):
     """-M + (Y / count) * step per element; count 0 -> 0. counts: 1 entry or one each."""
     per_element = counts.shape[0] > 1
