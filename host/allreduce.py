@@ -73,7 +73,9 @@ class ExchangeThread:
     """One thread per process that runs submitted calls one at a time, in order.
 
     submit(fn, *args) -> torch.futures.Future completed with fn's result, or its exception.
-    Started on first use (and again in a forked child, which does not inherit it).
+    Started on first use (and again in a forked child, which does not inherit it), with
+    the Numba thread count of the thread that started it (Numba's setting is per thread:
+    a worker that limits itself with numba.set_num_threads keeps that limit here).
     """
 
     def __init__(self):
@@ -87,8 +89,8 @@ class ExchangeThread:
             if self._pid != os.getpid():
                 self._queue = queue.SimpleQueue()
                 self._pid = os.getpid()
-                threading.Thread(target=self._run, args=(self._queue,), name="thc-exchange",
-                                 daemon=True).start()
+                threading.Thread(target=self._run, args=(self._queue, _numba_threads()),
+                                 name="thc-exchange", daemon=True).start()
             self._queue.put((fut, fn, args))
         return fut
 
@@ -96,7 +98,10 @@ class ExchangeThread:
         return threading.current_thread().name == "thc-exchange"
 
     @staticmethod
-    def _run(jobs: queue.SimpleQueue) -> None:
+    def _run(jobs: queue.SimpleQueue, numba_threads: int | None) -> None:
+        if numba_threads:
+            import numba
+            numba.set_num_threads(numba_threads)
         while True:
             fut, fn, args = jobs.get()
             try:
@@ -105,6 +110,13 @@ class ExchangeThread:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+
+
+def _numba_threads() -> int | None:
+    import sys
+    if "numba" not in sys.modules:
+        return None
+    return sys.modules["numba"].get_num_threads()
 
 
 _EXCHANGE_THREAD = ExchangeThread()

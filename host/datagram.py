@@ -209,7 +209,8 @@ class DatagramSocket:
         self.gso = (gso_available() if gso is None else bool(gso)) and self.batched
         self.gso_segments = GSO_MAX_SEGMENTS
         self.tos = 0
-        self.send_calls = 0
+        self.send_calls = 0              # syscalls
+        self.send_messages = 0           # messages the kernel took (a GSO run is one)
         self.recv_calls = 0
         self.rx = np.zeros((rx_rows, rx_width), np.uint8)
         self.rx_len = np.zeros(rx_rows, np.int64)
@@ -289,6 +290,7 @@ class DatagramSocket:
                 raise _os_error(err)
             pos += sent
             msgs.sent_messages = pos
+            self.send_messages += sent
 
     def _send_loop(self, packets, rows, lengths, tos) -> None:
         for i, r in enumerate(rows.tolist()):
@@ -296,6 +298,7 @@ class DatagramSocket:
             while True:
                 try:
                     self.send_calls += 1
+                    self.send_messages += 1
                     if tos is None:
                         self.sock.send(view)
                     else:

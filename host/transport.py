@@ -132,6 +132,7 @@ class TransportStats:
     ignored: int = 0               # other job/tensor/round, or malformed
     straggler_notices: int = 0
     send_calls: int = 0            # send syscalls (sendmmsg, or send/sendmsg per datagram)
+    send_messages: int = 0         # messages those calls carried (one per GSO run)
     recv_calls: int = 0            # receive syscalls (recvmmsg, or recv_into per datagram)
     rtt_samples: list = field(default_factory=list)
 
@@ -326,12 +327,11 @@ class AggregatorTransport:
         """Send what the window allows, retransmit what is late, apply what arrived, until
         until() holds (block=False: one non-blocking round)."""
         ex = stream.ex
+        # The caller may have been busy (codec work): first take in what arrived meanwhile,
+        # so the chunks it completed neither count as late nor hold the window.
+        if self._receive(ex):
+            stream.last_progress = time.monotonic()
         while True:
-            if not block:
-                # The caller was busy (codec work): first take in what arrived meanwhile,
-                # so the chunks it completed neither count as late nor hold the window.
-                if self._receive(ex):
-                    stream.last_progress = time.monotonic()
             now = time.monotonic()
             # Send what the window allows: chunk c once chunk c - pool is done.
             ready = ex.sendable()
@@ -362,13 +362,14 @@ class AggregatorTransport:
     # ----------------------------------------------------------------- socket I/O
 
     def _send(self, packets: PacketRows, rows) -> None:
-        calls = self.io.send_calls
+        calls, messages = self.io.send_calls, self.io.send_messages
         try:
             sent = self.io.send(packets, rows)
         except ConnectionRefusedError as exc:
             raise self._unreachable(exc) from exc
         finally:
             self.stats.send_calls += self.io.send_calls - calls
+            self.stats.send_messages += self.io.send_messages - messages
         self.stats.packets_sent += len(rows)
         self.stats.bytes_sent += sent
 
