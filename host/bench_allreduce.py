@@ -41,12 +41,11 @@ import time
 from pathlib import Path
 
 from host.allreduce import DEFAULT_PIPELINE_VALUES
+from host.shaped_links import (AGG_PORT, GLOO_PORT, WORKER_UDP_PORT, job_config, python_env,
+                               start_dpdk, start_reference, stop)
 
 MODES = ("thc-agg", "thc-dpdk", "thc-gloo", "fp32-gloo")
 AGG_MODES = ("thc-agg", "thc-dpdk")
-WORKER_UDP_PORT = 40000
-AGG_PORT = 50000
-GLOO_PORT = 29600
 VALUES_PER_PACKET = 1024
 FRAME_OVERHEAD = 14 + 20 + 8 + 32      # Ethernet + IPv4 + UDP + AGG header per packet
 STANDARD_MTU, JUMBO_MTU = 1500, 9000
@@ -161,25 +160,12 @@ def _peak_rss() -> int:
 
 # --------------------------------------------------------------------------- the parent
 
-def _job_config(tb, pool_size, switch_ip, switch_mac):
-    from dataplane.config import Job, Member, SwitchConfig
-    members = [Member(worker=w, port=w, mac=tb.host_mac(w), ip=tb.host_ip(w),
-                      udp_port=WORKER_UDP_PORT) for w in range(tb.num_hosts)]
-    return SwitchConfig(ip=switch_ip, mac=switch_mac,
-                        jobs=(Job.from_thc(1, pool_size, members),)).validate()
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-
-
 def _run_mode(tb, mode, args, tmp: Path) -> dict:
     n = args.workers
     out = tmp / f"{mode}.json"
     # ports mode (DPDK switch): the process group uses the unshaped control network.
     ports = tb.switch == "ports"
-    env = dict(_env(), GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
+    env = python_env(GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
     if args.no_gso or not tb.gso:
         env["THC_NO_GSO"] = "1"
     master = tb.control_ip(0) if ports else tb.host_ip(0)
@@ -207,55 +193,6 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
         raise SystemExit(f"{mode}: workers {bad} failed:\n" + "\n".join(
             logs[w][-2000:] for w in bad))
     return json.loads(out.read_text())
-
-
-def _start_reference(tb, args, tmp: Path) -> subprocess.Popen:
-    cfg = _job_config(tb, args.pool_size, tb.switch_ip, tb.switch_mac)
-    cfg.save(tmp / "switch.json")
-    agg = tb.popen_switch([sys.executable, "-m", "dataplane.udp_service",
-                           "--config", str(tmp / "switch.json"),
-                           "--host", tb.switch_ip, "--port", str(AGG_PORT)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=_env())
-    agg.stdout.readline()                 # "serving ..." once it is bound
-    return agg
-
-
-def _start_dpdk(tb, args, tmp: Path) -> subprocess.Popen:
-    """thc_switch in the switch namespace, port w = worker w's link (af_packet)."""
-    from dataplane.dpdk_config import write_config
-    from dataplane.dpdk_runner import SWITCH_BIN, eal_args
-    cfg = _job_config(tb, args.pool_size, tb.switch_ip, tb.switch_mac)
-    conf = write_config(cfg, tmp / "dpdk_switch.conf")
-    # qdisc_bypass=0: the switch's transmissions go through the port's tbf (the link rate).
-    # framecnt: 4096-frame rings (default 512): four workers' windows arrive together, and
-    # on this shared machine the switch's lcore is sometimes descheduled for milliseconds.
-    vdevs = [f"net_af_packet{p},iface={tb.switch_port(p)},qdisc_bypass=0,"
-             f"framecnt={args.switch_ring}" for p in range(tb.num_hosts)]
-    log = open(tmp / "dpdk_switch.log", "w")
-    proc = tb.popen_switch([str(SWITCH_BIN), *eal_args(vdevs), "--", "--config", str(conf),
-                            "--stats", str(tmp / "dpdk_stats.json")],
-                           stdout=subprocess.PIPE, stderr=log, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if "running" in line:
-            return proc
-    proc.kill()
-    proc.wait()
-    raise SystemExit("thc_switch did not start: " + (tmp / "dpdk_switch.log").read_text()[-2000:])
-
-
-def _stop(proc) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _rows(times, mode, rate, tb, args) -> list[dict]:
@@ -290,23 +227,25 @@ def run_benchmark(args) -> list[dict]:
         if bridged:
             with NetnsTestbed(args.workers, rate, mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
-                agg = _start_reference(tb, args, Path(tmp)) if "thc-agg" in bridged else None
+                agg = start_reference(tb, job_config(tb, args.pool_size), Path(tmp)) \
+                    if "thc-agg" in bridged else None
                 try:
                     for mode in bridged:
                         rows += _rows(_run_mode(tb, mode, args, Path(tmp)), mode, rate, tb, args)
                         bar.update(1)
                 finally:
-                    _stop(agg)
+                    stop(agg)
         if "thc-dpdk" in args.modes:
             with NetnsTestbed(args.workers, rate, switch="ports", mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
-                switch = _start_dpdk(tb, args, Path(tmp))
+                switch = start_dpdk(tb, job_config(tb, args.pool_size), Path(tmp),
+                                    args.switch_ring)
                 try:
                     rows += _rows(_run_mode(tb, "thc-dpdk", args, Path(tmp)), "thc-dpdk", rate,
                                   tb, args)
                     bar.update(1)
                 finally:
-                    _stop(switch)
+                    stop(switch)
                 stats = Path(tmp) / "dpdk_stats.json"
                 if stats.exists():
                     full = json.loads(stats.read_text())

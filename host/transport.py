@@ -237,7 +237,8 @@ class AggregatorTransport:
         self._heard_from_aggregator = False
         self._stream = None              # the TensorStream in flight (one at a time)
         rx_rows = 2 * pool_size if pool_size < 512 else 1024
-        self.io = DatagramSocket(self.sock, rx_rows=rx_rows, rx_width=HEADER_LEN + MAX_VALUES,
+        self.io = DatagramSocket(self.sock, rx_rows=rx_rows,
+                                 rx_width=HEADER_LEN + values_per_packet,
                                  batched=batched, gso=gso)
         self._check_mtu()
 
