@@ -147,9 +147,12 @@ class AggregatorExchange:
         self.transport.flush()
         _barrier(group, "waiting for every worker to flush the aggregator slots", timeout)
 
-    def open(self, padded: int, tensor: int, *, layer=0, num_layers=1) -> "_AggregatorStream":
+    def open(self, padded: int, tensor: int, *, layer=0, num_layers=1,
+             background=False) -> "_AggregatorStream":
+        """A tensor's stream; background: an I/O thread keeps its window full while this
+        thread quantizes the next chunk (host.transport.TensorStream)."""
         return _AggregatorStream(self, self.transport.open_stream(
-            padded, tensor, layer=layer, num_layers=num_layers))
+            padded, tensor, layer=layer, num_layers=num_layers, background=background))
 
     def sum(self, packed, padded: int, tensor: int, *, rotated=None, layer=0, num_layers=1):
         """The sums and counts of one whole tensor (one submission)."""
@@ -227,7 +230,8 @@ class SumAllreduceExchange:
     def start(self, group, timeout: float) -> None:
         _barrier(group, "waiting for every worker to join the THC allreduce", timeout)
 
-    def open(self, padded: int, tensor: int, *, layer=0, num_layers=1) -> "_SumStream":
+    def open(self, padded: int, tensor: int, *, layer=0, num_layers=1,
+             background=False) -> "_SumStream":
         return _SumStream(self)
 
     def sum(self, packed, padded: int, tensor: int, *, rotated=None, layer=0, num_layers=1):
@@ -389,7 +393,8 @@ class THCAllreduce:
         self.calls[key] = rnd + 1
         mean = torch.empty(d, dtype=torch.float32, device=flat.device)
         padded_total = sum(self.codec.padded_length(hi - lo) for lo, hi in ranges)
-        stream = self.exchange.open(padded_total, key, layer=layer, num_layers=num_layers)
+        stream = self.exchange.open(padded_total, key, layer=layer, num_layers=num_layers,
+                                    background=len(ranges) > 1)
         try:
             self._pipeline(stream, flat, key, rnd, ranges, first, mean)
         except BaseException:

@@ -336,12 +336,16 @@ class DatagramSocket:
             n += 1
         return n
 
-    def wait_readable(self, timeout: float) -> bool:
+    def wait_readable(self, timeout: float | None, also: int | None = None) -> bool:
+        """Wait until a datagram is waiting (or `also`, another fd, is readable); None
+        waits without a limit. True when the socket is readable."""
+        fds = [self.sock] if also is None else [self.sock, also]
         try:
-            readable, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+            readable, _, _ = select.select(fds, [], [], None if timeout is None
+                                           else max(0.0, timeout))
         except InterruptedError:
             return False
-        return bool(readable)
+        return self.sock in readable
 
     def wait_writable(self, timeout: float) -> None:
         try:

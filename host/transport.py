@@ -32,7 +32,9 @@ send/recv_into loop elsewhere); all header work is vectorized (host.packets).
 """
 from __future__ import annotations
 
+import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -314,12 +316,16 @@ class AggregatorTransport:
         return stream.finish()
 
     def open_stream(self, num_values: int, tensor: int, *, layer: int = 0,
-                    num_layers: int = 1) -> "TensorStream":
-        """Start the exchange of one tensor whose packed indices come range by range."""
+                    num_layers: int = 1, background: bool = False) -> "TensorStream":
+        """Start the exchange of one tensor whose packed indices come range by range.
+
+        background=True: an I/O thread of the stream's own keeps the window full and takes
+        in results while the caller does other work (codec work that releases the GIL);
+        the caller only submits and waits. Else the caller drives it (pump, wait_values)."""
         if self._stream is not None and not self._stream.closed:
             raise TransportError(f"worker {self.worker}: tensor {self._stream.ex.tensor} is "
                                  "still in flight; finish its stream before the next one")
-        self._stream = TensorStream(self, num_values, tensor, layer, num_layers)
+        self._stream = TensorStream(self, num_values, tensor, layer, num_layers, background)
         return self._stream
 
     # ----------------------------------------------------------------- the exchange loop
@@ -328,37 +334,48 @@ class AggregatorTransport:
         """Send what the window allows, retransmit what is late, apply what arrived, until
         until() holds (block=False: one non-blocking round)."""
         ex = stream.ex
+        while True:
+            self._round(stream)
+            if not block or until():
+                return
+            if ex.waiting_for_input():
+                raise TransportError(f"worker {self.worker}: tensor {ex.tensor} waits for "
+                                     "values that were never submitted")
+            self.io.wait_readable(self._wait_time(stream))
+            self._check_timeout(stream, until)
+
+    def _round(self, stream: "TensorStream") -> None:
+        """One non-blocking round: take in results, send what the window allows, retransmit."""
+        ex = stream.ex
         # The caller may have been busy (codec work): first take in what arrived meanwhile,
         # so the chunks it completed neither count as late nor hold the window.
         if self._receive(ex):
             stream.last_progress = time.monotonic()
-        while True:
-            now = time.monotonic()
-            # Send what the window allows: chunk c once chunk c - pool is done.
-            ready = ex.sendable()
-            if len(ready):
-                self._send(stream.packets, ready)
-                ex.mark_sent(ready, now, self.timer.rto)
-            # Retransmit chunks whose timer expired (Karn: they give no RTT sample).
-            late = ex.expired(now, self.timer.rto)
-            if len(late):
-                stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
-                self._send(stream.packets, late)
-                ex.mark_retransmitted(late, now, self.timer)
-                self.stats.retransmissions += len(late)
-            if not block or until():
-                return
-            wait = max(0.0, min(ex.next_deadline(now, self.timer.rto) - now,
-                                stream.last_progress + self.timeout - now))
-            if not ex.waiting_for_input() and self.io.wait_readable(wait):
-                if self._receive(ex):
-                    stream.last_progress = time.monotonic()
-            elif ex.waiting_for_input():
-                raise TransportError(f"worker {self.worker}: tensor {ex.tensor} waits for "
-                                     "values that were never submitted")
-            if time.monotonic() - stream.last_progress > self.timeout and not until():
-                missing = self._probe_missing(ex) if self._heard_from_aggregator else None
-                raise AggregatorTimeout(self._timeout_message(ex, missing))
+        now = time.monotonic()
+        # Send what the window allows: chunk c once chunk c - pool is done.
+        ready = ex.sendable()
+        if len(ready):
+            self._send(stream.packets, ready)
+            ex.mark_sent(ready, now, self.timer.rto)
+        # Retransmit chunks whose timer expired (Karn: they give no RTT sample).
+        late = ex.expired(now, self.timer.rto)
+        if len(late):
+            stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
+            self._send(stream.packets, late)
+            ex.mark_retransmitted(late, now, self.timer)
+            self.stats.retransmissions += len(late)
+
+    def _wait_time(self, stream: "TensorStream") -> float:
+        """How long to wait for results before the next timer is due."""
+        now = time.monotonic()
+        return max(0.0, min(stream.ex.next_deadline(now, self.timer.rto) - now,
+                            stream.last_progress + self.timeout - now))
+
+    def _check_timeout(self, stream: "TensorStream", until) -> None:
+        if time.monotonic() - stream.last_progress > self.timeout and not until():
+            ex = stream.ex
+            missing = self._probe_missing(ex) if self._heard_from_aggregator else None
+            raise AggregatorTimeout(self._timeout_message(ex, missing))
 
     # ----------------------------------------------------------------- socket I/O
 
@@ -515,10 +532,14 @@ class TensorStream:
     without blocking (call it between other work); wait_values(n) blocks until values
     [0, n) are in; finish() until the stream's completion predicate holds, and returns the
     AllreduceResult. The sums of completed values can be read from `sums` at any time.
+
+    In background mode an I/O thread does the sending, retransmitting and receiving: it
+    holds `lock` while it touches the stream, sleeps in select() on the socket and a wake-up
+    pipe (written on submit), and hands an error to the next waiter.
     """
 
     def __init__(self, transport: AggregatorTransport, num_values: int, tensor: int,
-                 layer: int, num_layers: int):
+                 layer: int, num_layers: int, background: bool = False):
         t = transport
         self.transport, self.layer, self.num_layers = t, layer, num_layers
         vpp = t.vpp
@@ -533,6 +554,16 @@ class TensorStream:
         self.submitted = 0               # values submitted so far
         self.last_progress = time.monotonic()
         self.closed = False
+        self.lock = threading.Lock()
+        self._progress = threading.Condition(self.lock)
+        self._error: BaseException | None = None
+        self._thread = None
+        if background:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            self._thread = threading.Thread(target=self._serve, name="thc-stream-io",
+                                            daemon=True)
+            self._thread.start()
 
     @property
     def num_values(self) -> int:
@@ -545,6 +576,7 @@ class TensorStream:
     def submit(self, packed, num_values: int, *, values=None) -> None:
         """The packed indices (two per byte) of values [submitted, submitted+num_values);
         values: their rotated floats, for the DSCP/ECN policy."""
+        self._check_open()
         t, ex, vpp = self.transport, self.ex, self.transport.vpp
         lo, hi = self.submitted, self.submitted + num_values
         if num_values <= 0 or hi > ex.num_values or (hi < ex.num_values and hi % vpp):
@@ -555,26 +587,33 @@ class TensorStream:
                               tensor=ex.tensor, slots=self.slots[c0:c1],
                               rounds=ex.rounds[c0:c1].astype(np.uint32), expected=t.expected,
                               min_count=t.min_count, first_offset=lo)
-        self.rows[c0:c1, :bufs.shape[1]] = bufs
         dscp, ecn = t.policy(layer=self.layer, num_layers=self.num_layers, values=values,
                              values_per_packet=vpp, num_packets=c1 - c0)
         tos = ((np.asarray(dscp, np.uint8) << 2) | (np.asarray(ecn, np.uint8) & 3))
         if tos.shape != (c1 - c0,):
             raise ValueError(f"policy returned {tos.shape} marks for {c1 - c0} packets")
-        self.packets.tos[c0:c1] = tos
-        self.submitted = hi
-        ex.available = c1
-        self.last_progress = time.monotonic()      # new work counts as progress
-        self.pump()
+        with self.lock:
+            self.rows[c0:c1, :bufs.shape[1]] = bufs
+            self.packets.tos[c0:c1] = tos
+            self.submitted = hi
+            ex.available = c1
+            self.last_progress = time.monotonic()      # new work counts as progress
+        if self._thread is not None:
+            os.write(self._wake_w, b"s")
+        else:
+            self.pump()
 
     def pump(self) -> None:
-        """Send, retransmit and take in what arrived, without blocking."""
+        """Send, retransmit and take in what arrived, without blocking (background mode:
+        the I/O thread does it; nothing to do)."""
         self._check_open()
-        self._drive(None, block=False)
+        if self._thread is None:
+            self._drive(None, block=False)
 
     def values_done(self) -> int:
         """How many leading values have their sums in (or were given up)."""
-        return min(self.ex.num_values, self.ex.done_prefix() * self.transport.vpp)
+        with self.lock:
+            return min(self.ex.num_values, self.ex.done_prefix() * self.transport.vpp)
 
     def wait_values(self, num_values: int) -> None:
         """Block until the sums of values [0, num_values) are in."""
@@ -611,14 +650,63 @@ class TensorStream:
 
     def _drive(self, until, block: bool = True) -> None:
         try:
-            self.transport._drive(self, until, block=block)
+            if self._thread is None:
+                self.transport._drive(self, until, block=block)
+            elif block:
+                self._wait(until)
         except BaseException:
             self.close()             # a failed exchange frees the transport for the next
             raise
 
+    def _wait(self, until) -> None:
+        """Background mode: sleep until the I/O thread made until() true, or failed."""
+        with self._progress:
+            while not until():
+                if self._error is not None:
+                    raise self._error
+                if not self._thread.is_alive():
+                    raise TransportError(f"the I/O thread of tensor {self.ex.tensor} ended "
+                                         "before its results were in")
+                self._progress.wait(0.5)
+
+    def _serve(self) -> None:
+        """The I/O thread: rounds of receive/send/retransmit until every chunk is done."""
+        t, ex = self.transport, self.ex
+        try:
+            while True:
+                with self.lock:
+                    if self.closed:
+                        return
+                    t._round(self)
+                    self._progress.notify_all()
+                    if ex.all_done():
+                        return
+                    idle = ex.waiting_for_input()      # nothing in flight: wait for submit
+                    if not idle:
+                        t._check_timeout(self, ex.all_done)
+                    wait = None if idle else t._wait_time(self)
+                t.io.wait_readable(wait, also=self._wake_r)
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+        except BaseException as exc:         # handed to the waiter
+            with self.lock:
+                self._error = exc
+                self._progress.notify_all()
+
     def close(self) -> None:
-        """Stop using this stream (its packets are not kept alive)."""
-        self.closed = True
+        """Stop using this stream (its packets are not kept alive; its I/O thread ends)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        if self._thread is not None:
+            os.write(self._wake_w, b"c")
+            if self._thread is not threading.current_thread():
+                self._thread.join()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self.packets = None
 
     def _check_open(self) -> None:

@@ -339,8 +339,10 @@ def test_a_busy_worker_port_is_refused_clearly():
     holder.close()
 
 
-def test_a_streamed_tensor_gives_the_same_sums(aggregator):
-    """Ranges submitted one by one, pumped in between, read back as they complete."""
+@pytest.mark.parametrize("background", [False, True], ids=["caller-driven", "io-thread"])
+def test_a_streamed_tensor_gives_the_same_sums(aggregator, background):
+    """Ranges submitted one by one, pumped in between (or by the stream's I/O thread),
+    read back as they complete."""
     n, d, vpp, pool = 2, 6000, 256, 4
     svc, addrs = aggregator(n, pool)
     ts = transports(svc.address, addrs, pool, values_per_packet=vpp, timeout=10)
@@ -348,7 +350,7 @@ def test_a_streamed_tensor_gives_the_same_sums(aggregator):
     cuts = [0, 1024, 1024 + 2048, d]                 # ranges end on packet boundaries
 
     def work(w):
-        stream = ts[w].open_stream(d, 5)
+        stream = ts[w].open_stream(d, 5, background=background)
         done = []
         for lo, hi in zip(cuts, cuts[1:]):
             stream.submit(pack(idx[w][lo:hi]), hi - lo)
@@ -469,3 +471,29 @@ def test_a_busy_caller_causes_no_spurious_retransmissions(aggregator):
         assert np.array_equal(res.sums, TABLE[idx])
     assert t.stats.retransmissions == 0 and t.stats.duplicates == 0
     t.close()
+
+
+def test_an_io_thread_error_reaches_the_waiter():
+    """Background mode: the I/O thread's timeout (a silent aggregator) and an ICMP port
+    unreachable come out of wait_values in the caller's thread, and the stream closes."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    t = AggregatorTransport(silent.getsockname(), job=1, worker=0, expected=1, pool_size=2,
+                            values_per_packet=8, timeout=0.5)
+    stream = t.open_stream(32, 0, background=True)
+    stream.submit(np.zeros(8, np.uint8), 16)
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorTimeout, match="nothing was ever received"):
+        stream.wait_values(16)
+    assert time.monotonic() - t0 < 5 and stream.closed
+    assert t.open_stream(32, 1) is not None                # the transport is free again
+    silent.close()
+    port = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    port.bind(("127.0.0.1", 0))
+    gone = port.getsockname()
+    port.close()
+    t2 = AggregatorTransport(gone, job=1, worker=0, expected=1, pool_size=2, timeout=5)
+    stream = t2.open_stream(20, 0, background=True)
+    stream.submit(np.zeros(10, np.uint8), 20)
+    with pytest.raises(AggregatorUnreachable, match="nothing listens"):
+        stream.finish()
