@@ -57,6 +57,7 @@ from host.transport import default_policy
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
 CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
+PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
 
 
 class AllreduceError(RuntimeError):
@@ -417,13 +418,20 @@ class THCAllreduce:
         return -(-self.pipeline_values // unit) * unit
 
     def _pipeline(self, stream, flat, key, rnd, ranges, first, mean) -> None:
-        """Chunk k+1 prepared and quantized while chunk k is on the wire; chunks decoded
-        in order as their sums come in."""
-        in_flight = []                            # chunks sent, not decoded yet
-        padded_lo = 0
-        prepared = first or self._prepare(flat, key, ranges[0], 0)
+        """Chunks prepared (compensated, normed, rotated; their norm exchange started) up to
+        PREPARE_AHEAD ahead of the one being quantized, quantized while earlier ones are on
+        the wire, and decoded in order as their sums come in."""
+        prepared, in_flight = [], []              # prepared, not sent / sent, not decoded
+        padded_lo, upcoming = 0, 0
+        if first is not None:
+            prepared.append(first)
+            upcoming = 1
         for k in range(len(ranges)):
-            chunk = prepared
+            while upcoming < len(ranges) and upcoming <= k + PREPARE_AHEAD:
+                prepared.append(self._prepare(flat, key, ranges[upcoming], upcoming))
+                upcoming += 1
+                stream.pump()
+            chunk = prepared.pop(0)
             max_norms = chunk.wait_norms()
             self.control_bytes += 4 * chunk.num_norms
             chunk.packed = self.codec.quantize(chunk.rotated, max_norms, worker=self.rank,
@@ -433,10 +441,8 @@ class THCAllreduce:
             stream.submit(*chunk.padded, chunk.packed, chunk.rotated)
             chunk.rotated = None
             in_flight.append(chunk)
-            if k + 1 < len(ranges):
-                prepared = self._prepare(flat, key, ranges[k + 1], k + 1)
-                stream.pump()
-            while in_flight and (k + 1 == len(ranges) or stream.ready(in_flight[0].padded[1])):
+            last = k + 1 == len(ranges)
+            while in_flight and (last or stream.ready(in_flight[0].padded[1])):
                 self._decode(stream, in_flight.pop(0), key, mean)
         stream.finish()
 
