@@ -247,3 +247,39 @@ def test_a_worker_that_dies_fails_the_others_backward_not_a_hang():
         kind, msg = out["again"]
         assert kind == "AllreduceError" and "earlier THC exchange" in msg
         assert out["again_seconds"] < 1                     # fails at once
+
+
+def test_the_codec_lets_the_training_thread_run():
+    """The exchange thread's Numba kernels release the GIL: a Python thread keeps running
+    while one long quantize call (a single kernel launch) is in progress. (A plain @njit
+    loop without nogil=True holds the GIL for its whole run: one gap as long as the call.)"""
+    import threading
+
+    import numba
+    codec = thc.THCCodec(seed=1)
+    x = np.random.default_rng(0).standard_normal(1 << 23).astype(np.float32)
+    rotated = codec.rotate(x)
+    norms = codec.partition_norms(x)
+    codec.quantize(rotated, norms, worker=0, round=0, tensor=0)       # compiled and warm
+    ticks, stop = [], threading.Event()
+
+    def count():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        spinner = threading.Thread(target=count)
+        spinner.start()
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        codec.quantize(rotated, norms, worker=0, round=1, tensor=0)
+        t1 = time.perf_counter()
+        stop.set()
+        spinner.join()
+    finally:
+        numba.set_num_threads(threads)
+    inside = np.array([t for t in ticks if t0 <= t <= t1])
+    gaps = np.diff(np.concatenate([[t0], inside, [t1]]))
+    # Holding the GIL, the kernel would leave one gap as long as itself.
+    assert len(inside) > 100 and gaps.max() < 0.5 * (t1 - t0), (t1 - t0, gaps.max())
