@@ -83,6 +83,7 @@ class ExchangeThread:
         self._lock = threading.Lock()
         self._queue = None
         self._pid = None
+        self._thread = None
 
     def submit(self, fn, *args) -> torch.futures.Future:
         fut = torch.futures.Future()
@@ -90,13 +91,15 @@ class ExchangeThread:
             if self._pid != os.getpid():
                 self._queue = queue.SimpleQueue()
                 self._pid = os.getpid()
-                threading.Thread(target=self._run, args=(self._queue, _numba_threads()),
-                                 name="thc-exchange", daemon=True).start()
+                self._thread = threading.Thread(target=self._run,
+                                                args=(self._queue, _numba_threads()),
+                                                name="thc-exchange", daemon=True)
+                self._thread.start()
             self._queue.put((fut, fn, args))
         return fut
 
     def on_thread(self) -> bool:
-        return threading.current_thread().name == "thc-exchange"
+        return threading.current_thread() is self._thread
 
     @staticmethod
     def _run(jobs: queue.SimpleQueue, numba_threads: int | None) -> None:
