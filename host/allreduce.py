@@ -314,8 +314,9 @@ class THCAllreduce:
         self.pipeline_values = int(pipeline_values)
         self.calls: dict[int, int] = {}        # per tensor key: rounds of the RNG
         self.verified_sizes: dict[int, int] = {}   # per tensor key: size all workers agreed
-        # Where the time goes (main job): "total" per call, "exchange" blocked on sums.
-        self.seconds = {"total": 0.0, "exchange": 0.0}
+        # Where the time goes (main job): "total" per call, blocked on the sums
+        # ("exchange") and on the control and norm exchanges ("norms").
+        self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0}
         self.control_bytes = 0
         self.start_timeout = start_timeout
         self._started = False
@@ -435,7 +436,9 @@ class THCAllreduce:
                 upcoming += 1
                 stream.pump()
             chunk = prepared.pop(0)
+            t0 = time.perf_counter()
             max_norms = chunk.wait_norms()
+            self.seconds["norms"] += time.perf_counter() - t0
             self.control_bytes += 4 * chunk.num_norms
             chunk.packed = self.codec.quantize(chunk.rotated, max_norms, worker=self.rank,
                                                round=rnd, tensor=key + k * CHUNK_KEY_STRIDE)
@@ -501,7 +504,9 @@ class THCAllreduce:
         pending = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group,
                                   async_op=True)
         rotated = self.codec.rotate(x) if usable else None   # overlaps with the exchange
+        t0 = time.perf_counter()
         pending.wait()
+        self.seconds["norms"] += time.perf_counter() - t0
         vector = vector.cpu()
         self.control_bytes += 8 * (vector.numel() - parts)
         self._raise_on_disagreement(vector[parts:], d, good_dtype, key, dtype)
@@ -532,7 +537,9 @@ class THCAllreduce:
         control = self._control_vector(d, finite, good_dtype)
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             control = control.to(device)
+        t0 = time.perf_counter()
         dist.all_reduce(control, op=dist.ReduceOp.MAX, group=self.group)
+        self.seconds["norms"] += time.perf_counter() - t0
         self.control_bytes += 8 * control.numel()
         self._raise_on_disagreement(control.cpu(), d, good_dtype, key, dtype)
 

@@ -94,6 +94,7 @@ def _train_run(rank, world, cfg, compressor, hook_state, progress):
     packets0 = hook_state.allreduce.exchange.transport.stats.packets_sent \
         if hook_state and compressor == "thc" else 0
     order, pos = rng.permutation(len(xs)), 0
+    seconds0 = {}
     bar = progress(total=steps, desc=f"{compressor:>13}", disable=rank != 0, mininterval=0.5)
     for step in range(1, steps + 1):
         if pos + batch > len(order):
@@ -106,6 +107,8 @@ def _train_run(rank, world, cfg, compressor, hook_state, progress):
         loss.backward()                      # the comm hook runs here
         opt.step()
         step_times.append(time.perf_counter() - t0)
+        if step == 1 and hook_state:
+            seconds0 = dict(hook_state.allreduce.seconds)     # after the set-up step
         if rank == 0 and (step % cfg["eval_every"] == 0 or step == steps):
             with torch.no_grad():
                 log["step"].append(step)
@@ -127,7 +130,9 @@ def _train_run(rank, world, cfg, compressor, hook_state, progress):
         if compressor == "thc":
             packets = hook_state.allreduce.exchange.transport.stats.packets_sent - packets0
             sent += IP_UDP_OVERHEAD * packets
-    return {"log": log, "bytes_per_step": sent / steps,
+    seconds = {k: v - seconds0.get(k, 0.0) for k, v in hook_state.allreduce.seconds.items()} \
+        if hook_state else None
+    return {"log": log, "bytes_per_step": sent / steps, "seconds": seconds,
             "time_per_step": float(np.median(step_times)), "params": n_params}
 
 
@@ -165,8 +170,6 @@ def worker_main(rank, world, cfg, results):
                                        if aggregator else None, timeout=cfg["timeout"],
                                        values_per_packet=cfg["values_per_packet"])
             out[compressor] = _train_run(rank, world, cfg, compressor, state, tqdm)
-            if state:
-                out[compressor]["seconds"] = dict(state.allreduce.seconds)
             if state and compressor == "thc":
                 out[compressor]["transport"] = \
                     state.allreduce.exchange.transport.stats.as_dict()
