@@ -452,7 +452,7 @@ class THCAllreduce:
                 self._decode(stream, in_flight.pop(0), key, mean)
         stream.finish()
 
-    def _prepare(self, flat, key, rng, k, combined=None) -> "_Chunk":
+    def _prepare(self, flat, key, rng, k) -> "_Chunk":
         """Compensate, norm and rotate one chunk; its norm exchange runs during the RHT."""
         lo, hi = rng
         x = self.error_feedback.compensate_range(key, flat, lo, hi) if self.error_feedback \
