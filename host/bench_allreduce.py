@@ -26,8 +26,7 @@ busiest worker's: the output and everything transient (`x tensor`: in tensor siz
 Packets: --values-per-packet (1024 default; up to the aggregator's MAX_VALUES) sets what
 the hosts send and the job description says; above 1440 values the links get jumbo
 frames (MTU 9000). THC modes are pipelined (--pipeline-values padded values per chunk,
-0 = whole tensors) and send with UDP GSO where the path allows (--no-gso: one datagram
-per row, for comparison).
+0 = whole tensors); --gso sends with UDP GSO (off by default, host.datagram).
 """
 from __future__ import annotations
 
@@ -166,8 +165,8 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
     # ports mode (DPDK switch): the process group uses the unshaped control network.
     ports = tb.switch == "ports"
     env = python_env(GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
-    if args.no_gso or not tb.gso:
-        env["THC_NO_GSO"] = "1"
+    if args.gso and tb.gso:
+        env["THC_GSO"] = "1"
     master = tb.control_ip(0) if ports else tb.host_ip(0)
     procs = []
     for w in range(n):
@@ -208,7 +207,7 @@ def _rows(times, mode, rate, tb, args) -> list[dict]:
                      "peak_bytes": times["peak_bytes"].get(str(mb)),
                      "values_per_packet": args.values_per_packet, "mtu": tb.mtu,
                      "pipeline_values": args.pipeline_values,
-                     "gso": not args.no_gso and tb.gso})
+                     "gso": args.gso and tb.gso})
     for key in ("seconds", "transport"):
         if key in times:
             rows[-1][key] = times[key]
@@ -298,8 +297,9 @@ def parse_args(argv=None):
                          "1440 the links get jumbo frames)")
     ap.add_argument("--pipeline-values", type=int, default=DEFAULT_PIPELINE_VALUES,
                     help="THC: padded values per pipeline chunk (0: whole tensors)")
-    ap.add_argument("--no-gso", action="store_true",
-                    help="THC through an aggregator: no UDP GSO (one datagram per row)")
+    ap.add_argument("--gso", action="store_true",
+                    help="THC through an aggregator: send with UDP GSO (THC_GSO=1; the "
+                         "ports testbed cuts the super-datagrams at each host's link end)")
     ap.add_argument("--switch-ring", type=int, default=4096,
                     help="thc-dpdk: frames in each af_packet ring of the switch")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mode and rate")

@@ -11,14 +11,18 @@ worker's exchange time. This module moves many per syscall and has no per-packet
   rows and drains what arrived into preallocated receive rows:
   - sendmmsg(2): a window of datagrams per call; the ToS by setsockopt while it is the
     same for every row, else an IP_TOS control message per datagram;
-  - UDP GSO (UDP_SEGMENT, Linux >= 4.18) where the path allows: a run of consecutive
-    full-length rows with one ToS leaves as one "super-datagram" that the kernel cuts into
-    the same datagrams (the rows are contiguous in memory), so the UDP/IP stack runs once
-    per run instead of once per datagram. A path that refuses it (no checksum offload on
-    the device, EIO/EINVAL) turns GSO off for the socket and the rows go out one by one;
+  - UDP GSO (UDP_SEGMENT, Linux >= 4.18), on request (gso=True or THC_GSO=1): a run of
+    consecutive full-length rows with one ToS leaves as one "super-datagram" that the
+    kernel cuts into the same datagrams (the rows are contiguous in memory), so the UDP/IP
+    stack runs once per run instead of once per datagram. A path that refuses it (no
+    checksum offload on the device, EIO/EINVAL) turns GSO off for the socket and the rows
+    go out one by one. Off by default: on a veth whose far end is a packet socket (a DPDK
+    switch's af_packet port) the kernel hands the super-datagram over uncut unless the
+    sending end cuts it (ethtool -K DEV tx-udp-segmentation off), which a sender cannot
+    see; and with 8192-value packets it measured no faster (docs/perf.md);
   - recvmmsg(2) into the receive rows, without blocking.
   Off Linux/glibc, or with THC_NO_MMSG=1, the same happens with loops of
-  send/sendmsg/recv_into (`batched=False`); THC_NO_GSO=1 turns GSO off.
+  send/sendmsg/recv_into (`batched=False`).
 
 The aggregator transport (host.transport) drives it; it knows nothing of the protocol, so
 any datagram protocol with row-shaped packets can use it (DLCP's transport, for one).
@@ -90,9 +94,13 @@ def mmsg_available() -> bool:
 
 
 def gso_available() -> bool:
-    """UDP GSO may be tried here (batched syscalls, little-endian; THC_NO_GSO unset)."""
-    return mmsg_available() and sys.byteorder == "little" and \
-        os.environ.get("THC_NO_GSO", "") in ("", "0")
+    """UDP GSO can be tried here (batched syscalls, little-endian Linux)."""
+    return mmsg_available() and sys.byteorder == "little"
+
+
+def gso_requested() -> bool:
+    """THC_GSO=1: send with UDP GSO by default (see the module docstring)."""
+    return os.environ.get("THC_GSO", "") not in ("", "0")
 
 
 def row_pointers(rows: np.ndarray) -> np.ndarray:
@@ -197,7 +205,7 @@ class DatagramSocket:
 
     rx_rows x rx_width: the receive rows (the largest datagram expected, and how many one
     drain takes). batched: sendmmsg/recvmmsg (default: where available); gso: try UDP GSO
-    (default: where available). Errors from the kernel surface as OSError
+    (default: only with THC_GSO=1, and where available). Errors from the kernel surface as OSError
     (ConnectionRefusedError for an ICMP port unreachable); a full send buffer waits.
     """
 
@@ -206,7 +214,8 @@ class DatagramSocket:
         self.sock = sock
         self.sock.setblocking(False)
         self.batched = mmsg_available() if batched is None else bool(batched)
-        self.gso = (gso_available() if gso is None else bool(gso)) and self.batched
+        self.gso = (gso_requested() if gso is None else bool(gso)) and self.batched \
+            and gso_available()
         self.gso_segments = GSO_MAX_SEGMENTS
         self.tos = 0
         self.send_calls = 0              # syscalls

@@ -417,8 +417,7 @@ def run_on_links(args) -> dict:
                 aggregator = (tb.switch_ip, AGG_PORT)
                 members = [(tb.host_ip(w), WORKER_UDP_PORT) for w in range(args.workers)]
             links = {"netns": tb.host_ns, "gloo_ifname": "ctl0" if dpdk else "eth0",
-                     "master": tb.control_ip(0) if dpdk else tb.host_ip(0),
-                     "env": {} if tb.gso else {"THC_NO_GSO": "1"}}
+                     "master": tb.control_ip(0) if dpdk else tb.host_ip(0), "env": {}}
             try:
                 per_rank = run_workers(args, aggregator, members, [run], links)
             finally:

@@ -146,7 +146,7 @@ class NetnsTestbed:
     over an unshaped second network, `control_ip(i)` on each host's `ctl0`. A host's UDP
     GSO super-datagrams are cut into frames at its own end of the link (ethtool
     tx-udp-segmentation off), since a packet socket on the switch port would see them
-    whole; `gso` is False where that failed (send without GSO there: THC_NO_GSO=1).
+    whole; `gso` is False where that failed (send without GSO there: THC_GSO=0).
 
     mtu: of every data link (9000: jumbo frames, for packets of up to 8192 values).
     """

@@ -27,7 +27,7 @@ THC allreduce, host.allreduce). `allreduce` is a stream with one submission. Whe
 stream is finished is one predicate (`TensorStream.finish(until=...)`): all chunks by
 default; a bounded-loss rule would finish at a fraction of them and give the rest up.
 
-Datagrams go through host.datagram (sendmmsg/recvmmsg, UDP GSO where the path allows, a
+Datagrams go through host.datagram (sendmmsg/recvmmsg, UDP GSO on request, a
 send/recv_into loop elsewhere); all header work is vectorized (host.packets).
 """
 from __future__ import annotations
@@ -193,7 +193,7 @@ class AggregatorTransport:
     it; default any address, an ephemeral port); policy: the DSCP/ECN hook (see
     default_policy); on_straggler: "raise" or "skip" (see the module docstring);
     batched / gso: force the datagram path's sendmmsg/recvmmsg and UDP GSO on or off
-    (default: where this system has them, see host.datagram).
+    (default: batched where this system has it, GSO only with THC_GSO=1; host.datagram).
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,

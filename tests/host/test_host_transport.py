@@ -388,7 +388,7 @@ def test_gso_sends_the_same_datagrams_in_fewer_calls(marks):
     aggregator receives identical datagrams with identical ToS bytes."""
     from host.transport import gso_available
     if not gso_available():
-        pytest.skip("no UDP GSO path here (not Linux/glibc, or THC_NO_GSO)")
+        pytest.skip("no UDP GSO path here (not Linux/glibc)")
 
     def policy(*, layer, num_layers, values, values_per_packet, num_packets):
         dscp = np.full(num_packets, 40, np.uint8)
