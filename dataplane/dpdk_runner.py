@@ -5,7 +5,14 @@
   port, tx_pcap = what leaves it), a schedule file fixing the cross-port arrival
   order, EAL without hugepages or PCI. Statistics come back as the switch's JSON.
 * `LiveSwitch`: live ports (net_af_packet on veths, as the testbed uses it).
-* `TapService`: behind a kernel tap, so UDP sockets on this host are its workers.
+* `HostService`: behind a veth pair, so UDP sockets on this host are its workers
+  (jumbo frames included); `TapService`: the same behind a kernel tap (DPDK 22.11's
+  net_tap sends frames of at most 1522 bytes).
+
+Live af_packet ports (`af_packet_vdevs`) use 10240-byte ring frames, so frames up to
+the switch's 9216-byte limit arrive whole (the PMD's default 2048-byte frames cut
+everything over 1981 bytes; the switch then drops and counts them, rx_oversize), and
+the switch turns off the kernel's fragment reassembly on them (af_packet_nodefrag.c).
 """
 from __future__ import annotations
 
@@ -136,15 +143,19 @@ def run_pcap(config: SwitchConfig, batches: list[list[tuple[int, bytes]]],
 class LiveSwitch:
     """The switch on live ports (net_af_packet on veths, net_tap, NICs) until stop().
 
-    `vdevs` are EAL --vdev strings, one per switch port in port order. start() returns
-    once the poll loop runs (the switch prints "... running"); counters() asks for
-    statistics with SIGUSR1; stop() sends SIGTERM and returns the final statistics.
+    `vdevs` are EAL --vdev strings, one per switch port in port order; `extra_args` more
+    switch options (e.g. ["--busy-poll"]). start() returns once the poll loop runs (the
+    switch prints "... running"); counters() asks for statistics with SIGUSR1; stop()
+    sends SIGTERM and returns the final statistics. The switch's output goes to
+    `log_path`, never to a pipe.
     """
 
     def __init__(self, config: SwitchConfig, vdevs: list[str],
                  port_rates: dict[int, float] | None = None, workdir: str | Path | None = None,
-                 binary: Path = SWITCH_BIN, start_timeout: float = 30.0):
+                 binary: Path = SWITCH_BIN, start_timeout: float = 30.0,
+                 extra_args: list[str] = ()):
         self.config, self.vdevs, self.port_rates = config, list(vdevs), dict(port_rates or {})
+        self.extra_args = list(extra_args)
         self.binary, self.start_timeout = binary, start_timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="thc_dpdk_live_", dir=workdir)
         self.workdir = Path(self._tmp.name)
@@ -158,42 +169,43 @@ class LiveSwitch:
                "--stats", str(self.stats_path)]
         for port, rate in self.port_rates.items():
             cmd += ["--rate", f"{port}:{float(rate)}"]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
-        line = self._wait_line("running", self.start_timeout)
-        if line is None:
+        cmd += self.extra_args
+        # stdout and stderr both go to the log file: no pipe the switch could block on.
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if not self._wait_running(self.start_timeout):
             self.stop()
             raise SwitchError(f"thc_switch did not start: {self.log_path.read_text().strip()}")
         return self
 
-    def _wait_line(self, marker: str, timeout: float) -> str | None:
-        import selectors
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
+    def _wait_running(self, timeout: float) -> bool:
+        """Whether the switch printed its start-up line ("... running") in time."""
         deadline = time.monotonic() + timeout
-        try:
-            while time.monotonic() < deadline:
-                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                    continue
-                line = self.proc.stdout.readline()
-                if not line:
-                    return None               # exited
-                if marker in line:
-                    return line
-        finally:
-            sel.unregister(self.proc.stdout)
-        return None
+        while time.monotonic() < deadline:
+            if "running" in self.log_path.read_text():
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        return False
 
     def counters(self, timeout: float = 10.0) -> dict:
-        """Statistics now (SIGUSR1): {"global", "jobs", "ports"}."""
-        before = self.stats_path.stat().st_mtime_ns if self.stats_path.exists() else None
+        """Statistics now (SIGUSR1): {"global", "jobs", "ports", "seq"}."""
+        before = self._stats_seq()
         self.proc.send_signal(signal.SIGUSR1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.stats_path.exists() and self.stats_path.stat().st_mtime_ns != before:
+            if self._stats_seq() > before:          # written whole: write-then-rename
                 return json.loads(self.stats_path.read_text())
-            time.sleep(0.02)
+            time.sleep(0.005)
         raise SwitchError("thc_switch wrote no statistics after SIGUSR1")
+
+    def _stats_seq(self) -> int:
+        """The sequence number of the statistics file (each write counts up), 0 if none."""
+        try:
+            return json.loads(self.stats_path.read_text())["seq"]
+        except FileNotFoundError:
+            return 0
 
     def stop(self) -> dict | None:
         """SIGTERM; the final statistics (None when it never wrote any)."""
@@ -204,9 +216,6 @@ class LiveSwitch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc is not None:
-            self.proc.stdout.close()
-            self._log.close()
         stats = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
         self._tmp.cleanup()
         self.proc = None
@@ -219,9 +228,30 @@ class LiveSwitch:
         self.stop()
 
 
-def af_packet_vdevs(ifaces: list[str]) -> list[str]:
-    """One net_af_packet port per interface, port i = ifaces[i]."""
-    return [f"net_af_packet{p},iface={iface}" for p, iface in enumerate(ifaces)]
+# Ring frames that hold a 9216-byte frame whole (the PMD puts it 66 bytes in), in
+# blocks of two: the PMD indexes frames as if blocks were gapless, and the kernel gives
+# each block a power-of-two number of pages.
+AF_PACKET_FRAMESZ, AF_PACKET_BLOCKSZ = 10240, 20480
+JUMBO_MTU = 9000
+
+
+def af_packet_vdevs(ifaces: list[str], framecnt: int = 512,
+                    qdisc_bypass: bool | None = None) -> list[str]:
+    """One net_af_packet port per interface, port i = ifaces[i], jumbo-sized rings of
+    `framecnt` frames (even; each costs 16 KiB of locked kernel memory per direction).
+    qdisc_bypass=False sends through the interface's qdisc (e.g. a tbf shaping it)."""
+    if framecnt < 2 or framecnt % 2:
+        raise ValueError(f"framecnt {framecnt}: need an even number of ring frames >= 2")
+    extra = "" if qdisc_bypass is None else f",qdisc_bypass={int(qdisc_bypass)}"
+    return [f"net_af_packet{p},iface={iface},framesz={AF_PACKET_FRAMESZ},"
+            f"blocksz={AF_PACKET_BLOCKSZ},framecnt={framecnt}{extra}"
+            for p, iface in enumerate(ifaces)]
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ip(*args: str) -> None:
@@ -230,23 +260,76 @@ def _ip(*args: str) -> None:
         raise SwitchError(f"ip {' '.join(args)}: {res.stderr.strip()}")
 
 
-class TapService(LiveSwitch):
-    """The switch behind one kernel tap interface: UDP sockets on this host are its
-    workers (a loopback service, like dataplane.udp_service but through DPDK).
+def _service_address(config: SwitchConfig) -> tuple[str, str]:
+    """The one (MAC, IPv4) every member of a host service shares, on switch port 0."""
+    members = [m for j in config.jobs for m in j.members]
+    addrs = {(m.port, m.mac.lower(), m.ip) for m in members}
+    if len(addrs) != 1 or next(iter(addrs))[0] != 0:
+        raise SwitchError("a host service needs every member on port 0 with one MAC and IPv4 "
+                          f"address (the host interface's); got {sorted(addrs)}")
+    _, mac, ip = next(iter(addrs))
+    return mac, ip
 
-    Every member must be on switch port 0 with one MAC and IPv4 address: the tap's.
-    The tap gets that MAC and address, a host route to the switch's IP and a static
-    neighbour entry (the switch answers no ARP). Workers send AGG packets with UDP to
-    (config.ip, 50000) from their member UDP port; results come back the same way.
+
+class HostService(LiveSwitch):
+    """The switch behind one veth pair: UDP sockets on this host are its workers (a
+    loopback service, like dataplane.udp_service but through DPDK).
+
+    Every member must be on switch port 0 with one MAC and IPv4 address: the host end
+    `iface`'s. The switch's af_packet port is the other end (`iface` + "s"). Both ends
+    get MTU 9000, the host end that MAC and address, a host route to the switch's IP
+    and a static neighbour entry (the switch answers no ARP). Workers send AGG packets
+    with UDP to (config.ip, 50000) from their member UDP port; results come back the
+    same way.
+    """
+
+    def __init__(self, config: SwitchConfig, iface: str = "thchost0", mtu: int = JUMBO_MTU,
+                 **kw):
+        if len(iface) > 14:
+            raise SwitchError(f"interface name {iface!r}: at most 14 characters (the switch "
+                              "end adds one)")
+        self.host_mac, self.host_ip = _service_address(config)
+        self.iface, self.switch_iface, self.mtu = iface, iface + "s", mtu
+        super().__init__(config, af_packet_vdevs([self.switch_iface]), **kw)
+
+    def start(self) -> "HostService":
+        _ip("link", "add", self.iface, "type", "veth", "peer", "name", self.switch_iface)
+        try:
+            for dev in (self.iface, self.switch_iface):
+                subprocess.run(["sysctl", "-q", "-w", f"net.ipv6.conf.{dev}.disable_ipv6=1"],
+                               capture_output=True)
+                _ip("link", "set", dev, "mtu", str(self.mtu), "up")
+            _configure_host_end(self.iface, self.host_mac, self.host_ip, self.config)
+            super().start()
+        except SwitchError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> dict | None:
+        stats = super().stop()
+        subprocess.run(["ip", "link", "del", self.iface], capture_output=True)
+        return stats
+
+
+def _configure_host_end(dev: str, mac: str, ip: str, config: SwitchConfig) -> None:
+    _ip("link", "set", dev, "address", mac)
+    _ip("addr", "replace", f"{ip}/32", "dev", dev)
+    _ip("link", "set", dev, "up")
+    _ip("route", "replace", f"{config.ip}/32", "dev", dev, "src", ip)
+    _ip("neigh", "replace", config.ip, "lladdr", config.mac, "dev", dev, "nud", "permanent")
+
+
+class TapService(LiveSwitch):
+    """HostService behind a kernel tap (net_tap) instead of a veth pair.
+
+    DPDK 22.11's net_tap sends at most MTU 1500 + 22 bytes (its ethdev MTU cannot be
+    raised there), so results longer than 1522 bytes are dropped and counted
+    (tx_oversize): use HostService for jumbo frames.
     """
 
     def __init__(self, config: SwitchConfig, tap: str = "thctap0", **kw):
-        members = [m for j in config.jobs for m in j.members]
-        addrs = {(m.port, m.mac.lower(), m.ip) for m in members}
-        if len(addrs) != 1 or next(iter(addrs))[0] != 0:
-            raise SwitchError("a tap service needs every member on port 0 with one MAC and IPv4 "
-                              f"address (the tap's); got {sorted(addrs)}")
-        _, self.host_mac, self.host_ip = next(iter(addrs))
+        self.host_mac, self.host_ip = _service_address(config)
         self.tap = tap
         super().__init__(config, [f"net_tap0,iface={tap}"], **kw)
 
@@ -255,12 +338,7 @@ class TapService(LiveSwitch):
         try:
             subprocess.run(["sysctl", "-q", "-w", f"net.ipv6.conf.{self.tap}.disable_ipv6=1"],
                            capture_output=True)
-            _ip("link", "set", self.tap, "address", self.host_mac)
-            _ip("addr", "replace", f"{self.host_ip}/32", "dev", self.tap)
-            _ip("link", "set", self.tap, "up")
-            _ip("route", "replace", f"{self.config.ip}/32", "dev", self.tap, "src", self.host_ip)
-            _ip("neigh", "replace", self.config.ip, "lladdr", self.config.mac, "dev", self.tap,
-                "nud", "permanent")
+            _configure_host_end(self.tap, self.host_mac, self.host_ip, self.config)
         except SwitchError:
             self.stop()
             raise
@@ -268,18 +346,25 @@ class TapService(LiveSwitch):
 
 
 def main(argv=None) -> int:
-    """`python -m dataplane.dpdk_runner tap --config job.json [--tap thctap0]`: serve
-    the job's UDP workers on this host through the DPDK switch until SIGINT/SIGTERM."""
+    """`python -m dataplane.dpdk_runner host --config job.json [--iface thchost0]` (or
+    `tap ... [--tap thctap0]`): serve the job's UDP workers on this host through the
+    DPDK switch until SIGINT/SIGTERM."""
     import argparse
     ap = argparse.ArgumentParser(description="Run the DPDK switch as a service on this host.")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    tap = sub.add_parser("tap", help="the switch behind a tap interface (loopback service)")
+    host = sub.add_parser("host", help="the switch behind a veth pair (loopback service)")
+    host.add_argument("--config", required=True, help="a SwitchConfig saved as JSON")
+    host.add_argument("--iface", default="thchost0")
+    tap = sub.add_parser("tap", help="the switch behind a tap interface (frames <= 1522 B)")
     tap.add_argument("--config", required=True, help="a SwitchConfig saved as JSON")
     tap.add_argument("--tap", default="thctap0")
     args = ap.parse_args(argv)
     config = SwitchConfig.load(args.config)
-    service = TapService(config, tap=args.tap).start()
-    print(f"serving at {config.ip}:50000 through {args.tap}", flush=True)
+    if args.cmd == "host":
+        service, dev = HostService(config, iface=args.iface).start(), args.iface
+    else:
+        service, dev = TapService(config, tap=args.tap).start(), args.tap
+    print(f"serving at {config.ip}:50000 through {dev}", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

@@ -7,7 +7,10 @@ nmse reproduces the digest's §8.2 numbers (single worker, identical copies, bit
 baselines) next to the analytic/expected values, and saves a plot. speed measures compress
 (norms + RHT + quantize) and decompress (decode + inverse RHT) throughput in GB/s of float32
 input for the Numba CPU kernels and a plain torch implementation of the same algorithm, in
-the same run, with a memory copy as the bandwidth bound (CUDA columns when a GPU exists).
+the same run, with a memory copy as the bandwidth bound (CUDA columns when a GPU exists);
+then our RHT against fht-cpu (FFHT's SIMD FWHT; the `dev` extra) on the same floats, and
+the per-call cost of error feedback in the gradient domain (two inverse RHTs) against the
+rotated domain (one).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from . import baselines as B
+from . import rng
 from .codec import THCCodec
 from .tables import expected_nmse, optimal_table
 
@@ -193,15 +197,6 @@ def _median_time(fn, reps, sync=None):
     return statistics.median(times)
 
 
-def _fwht_passes(codec, d):
-    """Memory passes of one CPU RHT: the fused sign + scale + in-cache pass (strides below
-    FWHT_BLOCK), then one per radix-4 (or final radix-2) sweep of the large strides."""
-    from .cpu_kernels import FWHT_BLOCK
-    n = min(codec.partition_size, d)
-    log_big = max(n.bit_length() - 1 - (min(n, FWHT_BLOCK).bit_length() - 1), 0)
-    return 1 + (log_big + 1) // 2
-
-
 def run_speed(log2d=24, reps=5):
     import torch
 
@@ -248,20 +243,139 @@ def run_speed(log2d=24, reps=5):
                      t_cpu * 1e3, t_torch * 1e3])
         out["stages"].append(dict(zip(["stage", "numba_gbs", "torch_gbs", "speedup",
                                        "numba_ms", "torch_ms"], rows[-1])))
-    passes = _fwht_passes(codec, d)
     rht = next(s for s in out["stages"] if s["stage"] == "RHT")
-    out["rht_passes"] = passes
-    out["rht_vs_copy_bound"] = rht["numba_ms"] / 1e3 / (copy_s * passes)
+    out["rht_vs_copy"] = rht["numba_ms"] / 1e3 / copy_s
     print_table(f"THC codec speed, 2^{log2d} float32 ({gbytes * 1e3:.0f} MB), median of {reps}"
                 f" (GB/s of float32 input)",
                 ["stage", "Numba CPU GB/s", "torch CPU GB/s", "Numba/torch", "Numba ms",
                  "torch ms"], rows)
     print(f"memory copy (bandwidth bound): {gbytes / copy_s:.2f} GB/s ({copy_s * 1e3:.1f} ms)")
-    print(f"RHT = {passes} passes over memory; time / ({passes} x copy) = "
-          f"{out['rht_vs_copy_bound']:.2f}")
+    print(f"RHT time / copy time = {out['rht_vs_copy']:.2f} (one read and one write of "
+          f"the data each)")
+    out["fht_cpu"] = _speed_vs_fht_cpu(codec, x, max(reps, 7))
+    out["error_feedback"] = _speed_error_feedback(codec, x, reps)
     if torch.cuda.is_available():
         out["cuda"] = _speed_cuda(codec, ref, x, norms, reps)
     return out
+
+
+def _paired_times(fns, reps, setup=None):
+    """Median time of each function, and the median over rounds of each one's time over
+    the first one's, the functions run in turn every round (drift and load bursts hit
+    them alike)."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if setup:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    first = next(iter(times.values()))
+    return {name: (statistics.median(t), statistics.median(a / b for a, b in zip(t, first)))
+            for name, t in times.items()}
+
+
+def _aligned(n):
+    from .cpu_kernels import aligned_empty
+    return aligned_empty(n)
+
+
+def _speed_vs_fht_cpu(codec, x, reps):
+    """Our forward RHT (signs, padding, transform, scale) against fht-cpu's FWHT (in place,
+    unnormalized, float32, along rows) on the same 2^k floats cut into the same partitions,
+    with the same thread count (one with --threads 1)."""
+    try:
+        import fht_cpu
+    except ImportError:
+        print("\nRHT vs fht-cpu: skipped, fht-cpu is not installed (it is in the dev extra: "
+              "pip install -e '.[dev]', or pip install fht-cpu)")
+        return None
+    import numba
+    d, n = len(x), min(codec.partition_size, len(x))
+    threads = numba.get_num_threads()
+    src = _aligned(d)
+    src[:] = x
+    buf, out, back = _aligned(d), _aligned(d), _aligned(d)
+    rows = buf.reshape(-1, n)
+    # like for like: fht-cpu computes H v unnormalized; our RHT is H (D x) / sqrt(n)
+    signed = src * rng.signs_np(codec.sign_key, np.arange(d))
+    want = fht_cpu.fht(signed.reshape(-1, n), num_threads=threads).reshape(-1)
+    want /= np.float32(np.sqrt(n))
+    ours = codec.rotate(src)
+    err = float(np.max(np.abs(ours - want)) / np.max(np.abs(want)))
+    fns = {"fht-cpu FWHT, in place (64-byte aligned)":
+           lambda: fht_cpu.fht(rows, num_threads=threads),
+           "our RHT into a buffer: rotate(x, out=buf)": lambda: codec.rotate(src, out=out),
+           "our RHT, new output: rotate(x)": lambda: codec.rotate(src),
+           "our inverse RHT into a buffer": lambda: codec.inverse_rotate(ours, d, out=back)}
+    timed = _paired_times(fns, reps, setup=lambda: np.copyto(buf, src))
+    gbytes = 4 * d / 1e9
+    table = [[name, t * 1e3, gbytes / t, ratio] for name, (t, ratio) in timed.items()]
+    print_table(f"RHT vs fht-cpu {getattr(fht_cpu, '__version__', '')}: 2^{d.bit_length() - 1}"
+                f" float32 in partitions of 2^{n.bit_length() - 1}, {threads} thread(s), "
+                f"median of {reps} rounds, run in turn",
+                ["transform", "ms", "GB/s", "time / fht-cpu"], table)
+    print(f"our RHT = fht-cpu(signs * x) / sqrt({n}) to {err:.1e} relative (max abs)")
+    return {"threads": threads, "partition": n, "max_rel_diff": err,
+            "rows": [dict(zip(["transform", "ms", "gbs", "ratio"], r)) for r in table],
+            "rht_over_fht": timed["our RHT into a buffer: rotate(x, out=buf)"][1]}
+
+
+def _speed_error_feedback(codec, x, reps):
+    """One worker's codec work per allreduce call (no network), error feedback in each
+    domain, as host/allreduce.py runs it. 'before exchange' is the work that must finish
+    before the max-norm exchange can start; the gradient domain's RHT then runs during
+    the exchange, the rotated domain has nothing left to overlap it with."""
+    from .codec import ErrorFeedback
+    d = len(x)
+    grad_ef, rot_ef = ErrorFeedback(), ErrorFeedback(rotated=True)
+    state = {}
+
+    def gradient_before():
+        xx = grad_ef.compensate("g", x)
+        state["g"] = (xx, codec.partition_norms(xx))
+
+    def gradient_rest():
+        xx, norms = state["g"]
+        packed = codec.quantize(codec.rotate(xx), norms, worker=0, round=0, tensor=0)
+        codec.decode(codec.lookup(packed), 1, norms, d)
+        own = codec.inverse_rotate(codec.dequantize(packed, norms), d)
+        grad_ef.update("g", xx, own)
+
+    def rotated_before():
+        state["r"] = rot_ef.rotate(codec, "r", x)
+
+    def rotated_rest():
+        x_rot, norms = state["r"]
+        packed = rot_ef.quantize(codec, "r", x_rot, norms, worker=0, round=0, tensor=0)
+        codec.decode(codec.lookup(packed), 1, norms, d)
+
+    for fn in (gradient_before, gradient_rest, rotated_before, rotated_rest):
+        fn()
+    times = {k: [] for k in ("gb", "gr", "rb", "rr")}
+    for _ in range(reps):
+        for k, fn in (("gb", gradient_before), ("gr", gradient_rest), ("rb", rotated_before),
+                      ("rr", rotated_rest)):
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    rot_ms = _median_time(lambda: codec.rotate(x), reps) * 1e3
+    rows = [["gradient domain (2 inverse RHTs)", med["gb"], rot_ms, med["gb"] + med["gr"]],
+            ["rotated domain (1 inverse RHT)", med["rb"], 0.0, med["rb"] + med["rr"]]]
+    print_table(f"Error feedback, codec work per call on 2^{d.bit_length() - 1} floats "
+                f"(median of {reps}; exchange not included)",
+                ["variant", "ms before norm exchange", "ms hidden behind it (RHT)",
+                 "ms total"], rows)
+    saved = rows[0][3] - rows[1][3]
+    print(f"rotated domain: {saved:.1f} ms less work per call; the norm exchange now waits "
+          f"for the RHT ({rows[1][1]:.1f} ms instead of {rows[0][1]:.1f} ms), so it pays off "
+          f"whenever that exchange takes less than the {saved:.1f} ms saved")
+    return [dict(zip(["variant", "before_exchange_ms", "overlapped_ms", "total_ms"], r))
+            for r in rows]
 
 
 def _speed_cuda(codec, ref, x, norms, reps):

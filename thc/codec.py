@@ -41,6 +41,21 @@ def _host_numpy(x, dtype=None) -> np.ndarray:
     return a.astype(dtype, copy=False) if dtype is not None else a
 
 
+def _checked_buffer(buf, length: int, what: str):
+    """An output/operand buffer must be a contiguous float32 vector of `length` elements,
+    so that the kernels see (and write) its own memory."""
+    if _is_torch(buf):
+        ok = buf.dtype == _torch().float32 and buf.is_contiguous() and buf.numel() == length
+    else:
+        ok = (np.dtype(buf.dtype) == np.float32 and buf.size == length
+              and bool(buf.flags["C_CONTIGUOUS"]))
+    if not ok:
+        raise ValueError(f"{what}: expected a contiguous float32 buffer of {length} elements, "
+                         f"got {type(buf).__name__} {getattr(buf, 'dtype', '?')} of "
+                         f"{getattr(buf, 'size', '?')}")
+    return buf
+
+
 class THCCodec:
     """THC with a b-bit lookup table on a g-step grid, clamped at t_p standard deviations.
 
@@ -142,45 +157,108 @@ class THCCodec:
         kernels = self._kernels(x)
         flat = kernels.as_flat(x, name)
         layout = self.layout(kernels.length(flat))
-        norms = kernels.partition_norms(flat, layout)
+        return self._checked_norms(kernels.partition_norms(flat, layout), name)
+
+    def _checked_norms(self, norms, name):
         if not np.isfinite(norms).all():
             bad = [k for k, v in enumerate(norms) if not np.isfinite(v)]
             raise NonFiniteError(f"{name}: NaN or Inf in partition(s) {bad[:8]} "
                                  f"(elements {bad[0] * self.partition_size}..)")
         return norms
 
-    def rotate(self, x, name: str = "tensor"):
-        """RHT of each zero-padded partition: length padded_length(d), same kind as x."""
+    def rotate(self, x, name: str = "tensor", *, out=None, add=None):
+        """RHT of each zero-padded partition: length padded_length(d), same kind as x.
+
+        add: a rotated-domain vector of the padded length added to the result (rotated-
+        domain error feedback; fused into the transform on the CPU). out: a contiguous
+        float32 buffer of the padded length (same kind and device as x) to write into and
+        return, so that repeated calls do not allocate (a fresh 64 MB array costs about as
+        much in page faults as the transform itself)."""
+        return self._rotate(x, name, out, add, False)
+
+    def rotate_and_norms(self, x, name: str = "tensor", *, out=None, add=None):
+        """(rotate(x, out=out, add=add), the L2 norm of each rotated partition): the norms
+        of what will be quantized, computed in the same pass on the CPU (float32 host
+        numpy; NonFiniteError on NaN/Inf). The RHT keeps norms, so without `add` they
+        equal partition_norms(x)."""
+        rotated, norms = self._rotate(x, name, out, add, True)
+        return rotated, self._checked_norms(norms, name)
+
+    def _rotate(self, x, name, out, add, with_norms):
         kernels = self._kernels(x)
         flat = kernels.as_flat(x, name)
         layout = self.layout(kernels.length(flat))
-        if not self.rotation:
-            return kernels.wrap_like(x, kernels.pad(flat, layout))
-        return kernels.wrap_like(x, kernels.rotate(flat, layout, self.sign_key))
+        add_flat = (None if add is None
+                    else kernels.as_flat(_checked_buffer(add, layout.padded, "add"), "add"))
+        out_flat = (None if out is None
+                    else kernels.as_flat(_checked_buffer(out, layout.padded, "out"), "out"))
+        norms = None
+        if self.rotation and getattr(kernels, "FUSED", False):
+            rotated = kernels.rotate(flat, layout, self.sign_key, out=out_flat, add=add_flat,
+                                     norms=with_norms)
+            if with_norms:
+                rotated, norms = rotated
+        else:
+            rotated = (kernels.rotate(flat, layout, self.sign_key) if self.rotation
+                       else kernels.pad(flat, layout))
+            if add_flat is not None:
+                kernels.add_inplace(rotated, add_flat)
+            if out_flat is not None:
+                kernels.copy_into(out_flat, rotated)
+                rotated = out_flat
+            if with_norms:
+                norms = kernels.partition_norms(rotated, self._padded_layout(layout.padded,
+                                                                             name))
+        result = out if out is not None else kernels.wrap_like(x, rotated)
+        return (result, norms) if with_norms else result
 
-    def inverse_rotate(self, y, d: int):
-        """Inverse RHT of a padded rotated-domain vector, un-padded to length d."""
+    def inverse_rotate(self, y, d: int, *, out=None):
+        """Inverse RHT of a padded rotated-domain vector, un-padded to length d. out: a
+        contiguous float32 buffer of length d to write into and return."""
         kernels = self._kernels(y)
         flat = kernels.as_flat(y, "rotated")
         layout = self.layout(d)
         if kernels.length(flat) != layout.padded:
             raise ValueError(f"rotated vector has length {kernels.length(flat)}, expected "
                              f"padded_length({d}) = {layout.padded}")
-        if not self.rotation:
-            return kernels.wrap_like(y, kernels.unpad(flat, layout))
-        return kernels.wrap_like(y, kernels.inverse_rotate(flat, layout, self.sign_key))
+        out_flat = (None if out is None
+                    else kernels.as_flat(_checked_buffer(out, layout.d, "out"), "out"))
+        if self.rotation and getattr(kernels, "FUSED", False):
+            result = kernels.inverse_rotate(flat, layout, self.sign_key, out=out_flat)
+        else:
+            result = (kernels.inverse_rotate(flat, layout, self.sign_key) if self.rotation
+                      else kernels.unpad(flat, layout))
+            if out_flat is not None:
+                kernels.copy_into(out_flat, result)
+        return out if out is not None else kernels.wrap_like(y, result)
 
     def quantize(self, rotated, max_norms, *, worker: int, round: int, tensor: int,
-                 name: str = "rotated"):
-        """Packed uint8 [padded/2] of 4-bit table indices (even element in the high nibble)."""
+                 name: str = "rotated", error_out=None):
+        """Packed uint8 [padded/2] of 4-bit table indices (even element in the high nibble).
+
+        error_out: a contiguous float32 buffer of the padded length (same kind as rotated)
+        that receives rotated - dequantize(packed, max_norms), the worker's own rotated-
+        domain quantization error (fused into the quantizer on the CPU). It may be the
+        buffer that was passed to rotate(add=...). Unspecified after NonFiniteError."""
         kernels = self._kernels(rotated)
         flat = kernels.as_flat(rotated, name)
         layout = self._padded_layout(kernels.length(flat), name)
-        half, scale, _ = self._partition_constants(max_norms, layout, name)
+        half, scale, step = self._partition_constants(max_norms, layout, name)
+        err = (None if error_out is None else kernels.as_flat(
+            _checked_buffer(error_out, layout.padded, "error_out"), "error_out"))
         key = rng.rounding_key(self.seed, round, tensor, worker)
-        packed, nonfinite = kernels.quantize(flat, half, scale, self, layout, key)
+        fused = err is not None and getattr(kernels, "FUSED", False)
+        if fused:
+            packed, nonfinite = kernels.quantize(flat, half, scale, self, layout, key,
+                                                 step=step, error_out=err)
+        else:
+            packed, nonfinite = kernels.quantize(flat, half, scale, self, layout, key)
         if nonfinite:
             raise NonFiniteError(f"{name}: {nonfinite} of {layout.padded} values are NaN or Inf")
+        if err is not None and not fused:
+            own = kernels.as_flat(self.dequantize(kernels.wrap_like(rotated, packed),
+                                                  max_norms), "own")
+            kernels.subtract(flat, own, err)
         return kernels.wrap_like(rotated, packed)
 
     def lookup(self, packed):
@@ -201,22 +279,41 @@ class THCCodec:
         counts = kernels.as_counts(counts, layout.padded)
         return kernels.wrap_like(sums, kernels.decode_rotated(flat, counts, half, step, layout))
 
-    def decode(self, sums, counts, max_norms, d: int):
+    def decode(self, sums, counts, max_norms, d: int, *, out=None):
         """Mean estimate of length d from integer sums of table values and contributor
         counts (int, or one per element; count 0 decodes to 0): m + (Y/count)(M-m)/g per
-        partition, then inverse RHT and un-pad."""
-        rotated = self._decode_rotated(sums, counts, max_norms, "sums")
+        partition, then inverse RHT and un-pad. out: a contiguous float32 buffer of length
+        d to write into and return (e.g. the gradient buffer the mean replaces)."""
         layout = self.layout(d)
+        kernels = self._kernels(sums)
+        if self.rotation and getattr(kernels, "FUSED", False):
+            flat = kernels.as_flat(sums, "sums", dtype=None)
+            if kernels.length(flat) != layout.padded:
+                raise ValueError(f"sums have length {kernels.length(flat)}, expected "
+                                 f"padded_length({d}) = {layout.padded}")
+            half, _, step = self._partition_constants(max_norms, layout, "sums")
+            rotated = kernels.decode_rotated(flat, kernels.as_counts(counts, layout.padded),
+                                             half, step, layout,
+                                             out=kernels.decoded_scratch(layout.padded))
+            out_flat = (None if out is None
+                        else kernels.as_flat(_checked_buffer(out, d, "out"), "out"))
+            result = kernels.inverse_rotate(rotated, layout, self.sign_key, out=out_flat)
+            return out if out is not None else kernels.wrap_like(sums, result)
+        rotated = self._decode_rotated(sums, counts, max_norms, "sums")
         kernels = self._kernels(rotated)
         flat = kernels.as_flat(rotated, "rotated")
         if kernels.length(flat) != layout.padded:
             raise ValueError(f"sums have length {kernels.length(flat)}, expected "
                              f"padded_length({d}) = {layout.padded}")
         if not self.rotation:
-            return kernels.wrap_like(rotated, kernels.unpad(flat, layout))
-        # the decoded buffer is ours: transform it in place
-        return kernels.wrap_like(rotated, kernels.inverse_rotate(flat, layout, self.sign_key,
-                                                                 overwrite=True))
+            result = kernels.unpad(flat, layout)
+        else:
+            # the decoded buffer is ours: transform it in place
+            result = kernels.inverse_rotate(flat, layout, self.sign_key, overwrite=True)
+        if out is not None:
+            kernels.copy_into(kernels.as_flat(_checked_buffer(out, d, "out"), "out"), result)
+            return out
+        return kernels.wrap_like(rotated, result)
 
     # ---- conveniences built on the API (simulation, demo, benchmarks) ---------------------
     def compress(self, x, max_norms, *, worker: int, round: int, tensor: int):
@@ -316,15 +413,46 @@ class _NumpyKernels:
     def decode_rotated(sums, counts, half, step, layout):
         return reference.decode_rotated(sums, counts, half, step, layout)
 
+    @staticmethod
+    def add_inplace(a, b):
+        np.add(a, b, out=a)
+
+    @staticmethod
+    def subtract(a, b, out):
+        np.subtract(a, b, out=out)
+
+    @staticmethod
+    def copy_into(dst, src):
+        np.copyto(dst, src)
+
 
 class ErrorFeedback:
-    """Per-tensor error-feedback state: e = x - own decoded, added to the next gradient."""
+    """Per-tensor error-feedback state, in one of two domains.
 
-    def __init__(self):
+    Gradient domain (the paper's, the default): e = x - RHT^-1(own quantized values),
+    added to the next gradient before the RHT (compensate, then update). Costs a second
+    inverse RHT per call (the first decodes the mean).
+
+    Rotated domain (rotated=True): e_rot = x_rot - own quantized values, kept after the
+    RHT and added to the next RHT(gradient) (rotate, then quantize). With the same
+    rotation every call this is the same feedback, since RHT(g + e) = RHT(g) + RHT(e):
+    x_rot equals the gradient-domain x rotated, up to float rounding. It drops the second
+    inverse RHT and both error passes (the CPU kernels fuse the add into the RHT and the
+    error into the quantizer). The price: the norms for the max-norm exchange are those of
+    x_rot, so they exist only after the RHT, and the exchange cannot overlap the RHT. The
+    error of a padded tail partition also keeps its padding coordinates (they are
+    quantized and fed back like the rest, then dropped by the decode's un-padding).
+    """
+
+    def __init__(self, rotated: bool = False):
+        self.rotated = bool(rotated)
         self._errors = {}
+        self._work = {}          # rotated domain: the x_rot buffer reused per tensor
 
+    # ---- gradient domain ------------------------------------------------------------------
     def compensate(self, key, grad):
         """grad + e for this tensor (grad itself on the first round)."""
+        self._require(False, "compensate")
         e = self._errors.get(key)
         if e is None:
             return grad
@@ -335,13 +463,78 @@ class ErrorFeedback:
 
     def update(self, key, x, own_decoded):
         """Store x - own_decoded (x: the compensated gradient that was compressed)."""
+        self._require(False, "update")
         self._errors[key] = x - own_decoded
 
+    # ---- rotated domain -------------------------------------------------------------------
+    def rotate(self, codec, key, grad, name: str = "tensor"):
+        """(x_rot, norms): x_rot = RHT(grad) + e_rot (RHT(grad) on the first round) and
+        its per-partition L2 norms, for the max-norm exchange. x_rot is a buffer kept per
+        tensor and overwritten by the next call for the same key."""
+        self._require(True, "rotate")
+        padded = codec.padded_length(_numel(grad))
+        e = self._errors.get(key)
+        if e is not None and _numel(e) != padded:
+            raise ValueError(f"error feedback for {key!r}: stored {_numel(e)} rotated values "
+                             f"!= padded length {padded} of the gradient (reset the key when "
+                             f"a tensor changes size)")
+        work = self._work.get(key)
+        if work is None or _numel(work) != padded or not _same_kind(work, grad):
+            work = _empty_like_kind(grad, padded)
+            self._work[key] = work
+        return codec.rotate_and_norms(grad, name, out=work, add=e)
+
+    def quantize(self, codec, key, x_rot, max_norms, *, worker: int, round: int,
+                 tensor: int):
+        """codec.quantize(x_rot, ...), storing e_rot = x_rot - own quantized values for
+        the next rotate (same pass on the CPU)."""
+        self._require(True, "quantize")
+        e = self._errors.get(key)
+        if e is None or _numel(e) != _numel(x_rot) or not _same_kind(e, x_rot):
+            e = _empty_like_kind(x_rot, _numel(x_rot))
+        packed = codec.quantize(x_rot, max_norms, worker=worker, round=round, tensor=tensor,
+                                error_out=e)
+        self._errors[key] = e
+        return packed
+
+    # ---- both -----------------------------------------------------------------------------
     def error(self, key):
         return self._errors.get(key)
 
     def reset(self, key=None):
         if key is None:
             self._errors.clear()
+            self._work.clear()
         else:
             self._errors.pop(key, None)
+            self._work.pop(key, None)
+
+    def _require(self, rotated, method):
+        if self.rotated != rotated:
+            mode = "rotated" if self.rotated else "gradient"
+            raise TypeError(f"ErrorFeedback.{method} is for the "
+                            f"{'rotated' if rotated else 'gradient'} domain; this one keeps "
+                            f"its error in the {mode} domain")
+
+
+def _numel(x) -> int:
+    return int(x.numel()) if _is_torch(x) else int(np.prod(x.shape))
+
+
+def _same_kind(a, b) -> bool:
+    if _is_torch(a) or _is_torch(b):
+        return _is_torch(a) and _is_torch(b) and a.device == b.device
+    return _is_cuda(a) == _is_cuda(b)
+
+
+def _empty_like_kind(x, length: int):
+    """An uninitialized float32 vector of `length` on x's device and of x's kind (numpy
+    arrays start on a cache line)."""
+    if _is_torch(x):
+        return _torch().empty(length, dtype=_torch().float32, device=x.device)
+    if _is_cuda(x):
+        from numba import cuda
+        return cuda.device_array(length, dtype=np.float32)
+    raw = np.empty(length + 16, dtype=np.float32)
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip:skip + length]

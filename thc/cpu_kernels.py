@@ -1,33 +1,37 @@
-"""Numba CPU kernels (@njit(parallel=True)) for the codec, behind codec.THCCodec.
+"""Numba CPU kernels for the codec, behind codec.THCCodec.
 
-Every kernel releases the GIL (nogil=True): host.allreduce runs the codec on its
-exchange thread while the training thread goes on with backward.
+The RHT and the quantizer are thc.vector_kernels (explicit 16-lane vectors: FFHT-class
+FWHT with the signs and the scale fused in, table lookups in registers); this module owns
+shapes, padding, scratch buffers and the choice of threads, with the same signatures as
+the numpy reference backend. Norms, lookup and decode are plain Numba loops (LLVM
+vectorizes them). Every kernel releases the GIL (nogil=True): host.allreduce runs the codec
+on its exchange thread while the training thread goes on with backward.
 
-Each kernel is a plain loop; the Python functions at the bottom own shapes, dtypes and the
-per-partition loop, with the same signatures as the numpy reference backend.
-
-RHT layout of the work (why it is fast): the first pass reads x, applies the Rademacher
-signs and the 1/sqrt(n) scale, and runs every stride below FWHT_BLOCK floats while the
-block sits in L1/L2; the large strides then go two per pass (radix-4). Butterflies work on
-slices (views) of equal length, which lets LLVM vectorize the inner loops. A 2^20
-partition takes 1 + 4 passes over memory; the inverse runs the same passes in reverse
-order (the FWHT stages commute) and fuses the signs and the un-padding into the last one.
+RHT work layout (why it is fast): see thc.vector_kernels. In short, every float is read
+once and written once; the 4 smallest strides are lane shuffles inside one vector, the
+next 4 are across 16 vectors in registers, and each larger stride level is one radix-16
+sweep while its group is in L1, L2 or L3. The output of a large tensor is written with
+non-temporal stores. The forward and inverse RHT are bit-identical to thc.reference.
 """
 from __future__ import annotations
 
+import sys
+import threading
+
+import numba
 import numpy as np
 from numba import njit, prange
 
 from . import rng
+from . import vector_kernels as vk
 from .codec import _NumpyKernels
 
 _mix64 = njit(cache=True, inline="always")(rng.mix64)
-U_GOLDEN, U_ONE, U6, U8, U40 = rng.U_GOLDEN, rng.U_ONE, rng.U6, rng.U8, rng.U40
-U63MASK, U24MASK = rng.U63MASK, rng.U24MASK
-UNIFORM_SCALE = rng.UNIFORM_SCALE
-FWHT_BLOCK = 4096            # floats per in-cache block (16 KiB)
-STAGE_CHUNK = 4096           # floats per task in a large-stride pass
+U_GOLDEN, U_ONE = rng.U_GOLDEN, rng.U_ONE
 NORM_CHUNK = 1 << 16
+NT_MIN_BYTES = 1 << 23       # outputs at least this large skip the cache (streaming stores)
+MIN_VECTOR_PARTITION = vk.LANES
+FUSED = True                 # rotate(add=, norms=) and quantize(error_out=) in one pass
 
 
 @njit(cache=True, inline="always")
@@ -35,291 +39,181 @@ def _bits(key, counter):
     return _mix64(key + (np.uint64(counter) + U_ONE) * U_GOLDEN)
 
 
+# ---- RHT --------------------------------------------------------------------------------
 @njit(cache=True, inline="always")
-def _negate(pos, word):
-    """Sign bit of padded position pos, given word = the hash of pos // 64."""
-    return (word >> (np.uint64(pos) & U63MASK)) & U_ONE
-
-
-# ---- norms ------------------------------------------------------------------------------
-@njit(parallel=True, cache=True, nogil=True)
-def _chunk_sumsq(x, chunk):
-    n = x.shape[0]
-    chunks = (n + chunk - 1) // chunk
-    out = np.zeros(chunks, dtype=np.float64)
-    for c in prange(chunks):
-        acc = 0.0
-        for i in range(c * chunk, min(n, (c + 1) * chunk)):
-            v = np.float64(x[i])
-            acc += v * v
-        out[c] = acc
-    return out
-
-
-# ---- FWHT building blocks -----------------------------------------------------------------
-@njit(cache=True, inline="always")
-def _fwht8(buf, i):
-    """Strides 1, 2, 4 on buf[i:i+8] in registers."""
-    a0 = buf[i] + buf[i + 1]
-    a1 = buf[i] - buf[i + 1]
-    a2 = buf[i + 2] + buf[i + 3]
-    a3 = buf[i + 2] - buf[i + 3]
-    a4 = buf[i + 4] + buf[i + 5]
-    a5 = buf[i + 4] - buf[i + 5]
-    a6 = buf[i + 6] + buf[i + 7]
-    a7 = buf[i + 6] - buf[i + 7]
-    b0 = a0 + a2
-    b1 = a1 + a3
-    b2 = a0 - a2
-    b3 = a1 - a3
-    b4 = a4 + a6
-    b5 = a5 + a7
-    b6 = a4 - a6
-    b7 = a5 - a7
-    buf[i] = b0 + b4
-    buf[i + 1] = b1 + b5
-    buf[i + 2] = b2 + b6
-    buf[i + 3] = b3 + b7
-    buf[i + 4] = b0 - b4
-    buf[i + 5] = b1 - b5
-    buf[i + 6] = b2 - b6
-    buf[i + 7] = b3 - b7
-
-
-@njit(cache=True, inline="always")
-def _butterfly4(v0, v1, v2, v3):
-    """Two strides at once on four equal-length runs (vectorizable)."""
-    for t in range(v0.shape[0]):
-        a0 = v0[t]
-        a1 = v1[t]
-        a2 = v2[t]
-        a3 = v3[t]
-        b0 = a0 + a1
-        b1 = a0 - a1
-        b2 = a2 + a3
-        b3 = a2 - a3
-        v0[t] = b0 + b2
-        v1[t] = b1 + b3
-        v2[t] = b0 - b2
-        v3[t] = b1 - b3
-
-
-@njit(cache=True, inline="always")
-def _butterfly2(v0, v1):
-    for t in range(v0.shape[0]):
-        a = v0[t]
-        c = v1[t]
-        v0[t] = a + c
-        v1[t] = a - c
-
-
-@njit(cache=True, inline="always")
-def _block_stages(buf, base, block):
-    """Every stride below `block` (>= 8) on buf[base:base+block], which is in cache."""
-    for i in range(base, base + block, 8):
-        _fwht8(buf, i)
-    h = 8
-    while 4 * h <= block:
-        for i in range(base, base + block, 4 * h):
-            _butterfly4(buf[i:i + h], buf[i + h:i + 2 * h], buf[i + 2 * h:i + 3 * h],
-                        buf[i + 3 * h:i + 4 * h])
-        h *= 4
-    if h < block:
-        for i in range(base, base + block, 2 * h):
-            _butterfly2(buf[i:i + h], buf[i + h:i + 2 * h])
+def _signed(v, p, key):
+    """v with the Rademacher sign of padded position p."""
+    if (_bits(key, p >> 6) >> np.uint64(p & 63)) & U_ONE:
+        return -v
+    return v
 
 
 @njit(cache=True, nogil=True)
-def _fwht_small(buf, start, n):
-    """Plain radix-2 for partitions shorter than 8."""
-    h = 1
-    while h < n:
-        for i in range(start, start + n, 2 * h):
-            for j in range(i, i + h):
-                a = buf[j]
-                c = buf[j + h]
-                buf[j] = a + c
-                buf[j + h] = a - c
-        h *= 2
+def _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, sign, add, has_add,
+                     squares):
+    """Partitions of fewer than 16 floats (2, 4 or 8): scalar radix-2 with the operation
+    order of the vector kernels and the reference."""
+    buf = np.empty(n, dtype=np.float32)
+    for k in range(count):
+        for j in range(n):
+            v = src[si + k * n + j]
+            if sign == vk.SIGN_FIRST:
+                v = _signed(v * scale, pos + k * n + j, key)
+            buf[j] = v
+        h = 1
+        while h < n:
+            for i in range(0, n, 2 * h):
+                for j in range(i, i + h):
+                    a = buf[j]
+                    c = buf[j + h]
+                    buf[j] = a + c
+                    buf[j + h] = a - c
+            h *= 2
+        acc = 0.0
+        for j in range(n):
+            v = buf[j]
+            if sign == vk.SIGN_LAST:
+                v = _signed(v * scale, pos + k * n + j, key)
+            if has_add:
+                v = v + add[di + k * n + j]
+            dst[di + k * n + j] = v
+            acc += np.float64(v) * np.float64(v)
+        squares[k] = acc
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _radix4_pass(buf, start, n, h, chunk):
-    """Strides h and 2h over the partition; tasks are (group of 4h, chunk of h)."""
-    per_group = h // chunk
-    for task in prange((n // (4 * h)) * per_group):
-        i = start + (task // per_group) * 4 * h + (task % per_group) * chunk
-        _butterfly4(buf[i:i + chunk], buf[i + h:i + h + chunk], buf[i + 2 * h:i + 2 * h + chunk],
-                    buf[i + 3 * h:i + 3 * h + chunk])
+_scratch = threading.local()        # per calling thread: the kernels' scratch rows
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _radix2_pass(buf, start, n, h, chunk):
-    per_group = h // chunk
-    for task in prange((n // (2 * h)) * per_group):
-        i = start + (task // per_group) * 2 * h + (task % per_group) * chunk
-        _butterfly2(buf[i:i + chunk], buf[i + h:i + h + chunk])
+def _scratch_rows(rows: int, n: int) -> np.ndarray:
+    """(rows, scratch_size(n)) float32, reused across calls (no page faults per call)."""
+    size = vk.scratch_size(n) if n > vk.CHUNK else vk.LANES    # rows start on cache lines
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < rows * size:
+        buf = aligned_empty(rows * size)
+        _scratch.buf = buf
+    return buf[:rows * size].reshape(rows, size)
 
 
-def _large_strides(buf, start, total, n, block):
-    """Strides block .. n/2 of the partitions of size n in buf[start:start+total], two
-    per pass; one parallel pass covers all those partitions (fewer barriers)."""
-    h = block
-    while 4 * h <= n:
-        _radix4_pass(buf, start, total, h, min(h, STAGE_CHUNK))
-        h *= 4
-    if h < n:
-        _radix2_pass(buf, start, total, h, min(h, STAGE_CHUNK))
+def aligned_empty(n: int) -> np.ndarray:
+    """float32[n] starting on a 64-byte boundary (whole cache lines for streaming stores)."""
+    raw = np.empty(n + 16, dtype=np.float32)
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip:skip + n]
 
 
-# ---- RHT passes ---------------------------------------------------------------------------
-@njit(cache=True, inline="always")
-def _signed_run(src, dst, pos0, count, word, scale):
-    """dst[pos0+t] = +-scale * src[pos0+t] for t < count, sign bit t of `word` (set -> -)."""
-    for t in range(count):
-        bit = np.float32((word >> np.uint64(t)) & U_ONE)
-        dst[pos0 + t] = src[pos0 + t] * scale * (np.float32(1.0) - np.float32(2.0) * bit)
-
-
-@njit(cache=True, inline="always")
-def _sign_scale_range(src, dst, lo, hi, d, key, scale):
-    """Apply signs and scale to positions lo..hi-1 (< d are read, the rest are zeros):
-    whole 64-position words take the vectorizable path."""
-    pos = lo
-    while pos < hi:
-        word = _bits(key, pos >> 6)
-        stop = min((pos | 63) + 1, hi)
-        if (pos & 63) == 0 and stop - pos == 64 and stop <= d:
-            _signed_run(src, dst, pos, 64, word, scale)
-        else:
-            for p in range(pos, stop):
-                v = src[p] * scale if p < d else np.float32(0.0)
-                dst[p] = -v if _negate(p, word) else v
-        pos = stop
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _sign_pad_blocks(x, out, d, start, n, block, key, scale):
-    """Forward first pass: out = sign * scale * x (zero past d), then the in-block strides."""
-    for b in prange(n // block):
-        base = start + b * block
-        _sign_scale_range(x, out, base, base + block, d, key, scale)
-        if block >= 8:
-            _block_stages(out, base, block)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _blocks_sign_unpad(buf, out, d, start, n, block, key, scale):
-    """Inverse last pass: the in-block strides, then out = sign * scale * buf below d."""
-    for b in prange(n // block):
-        base = start + b * block
-        if block >= 8:
-            _block_stages(buf, base, block)
-        _sign_scale_range(buf, out, base, min(base + block, d), d, key, scale)
-
-
-def rht_forward(x, out, d, start, total, n, key, scale):
-    """out[start:start+total] = H D x / sqrt(n) for consecutive zero-padded partitions of
-    size n (total a multiple of n)."""
-    if n < 8:
-        for s in range(start, start + total, n):
-            _sign_pad_blocks(x, out, d, s, n, n, key, scale)
-            _fwht_small(out, s, n)
+def _transform(src, si, dst, di, n, count, pos, key, scale, sign, add=None, squares=None):
+    """`count` partitions of n floats src[si:] -> dst[di:] (+ add[di:]); pos: padded
+    position of the first one (for the signs); sign vk.SIGN_NONE, SIGN_FIRST (forward RHT)
+    or SIGN_LAST (inverse). squares[k] receives the sum of squares of output partition k."""
+    if count == 0:
         return
-    block = min(n, FWHT_BLOCK)
-    _sign_pad_blocks(x, out, d, start, total, block, key, scale)
-    _large_strides(out, start, total, n, block)
-
-
-def rht_inverse(buf, out, d, start, total, n, key, scale):
-    """out[start:min(start+total, d)] = D H buf / sqrt(n) per partition of size n; buf is
-    overwritten."""
-    if n < 8:
-        for s in range(start, start + total, n):
-            _fwht_small(buf, s, n)
-            _blocks_sign_unpad(buf, out, d, s, n, n, key, scale)
+    if squares is None:
+        squares = np.empty(count, dtype=np.float64)
+    has_add = add is not None
+    add = add if has_add else dst
+    if n < MIN_VECTOR_PARTITION:
+        _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, sign, add, has_add,
+                         squares)
         return
-    block = min(n, FWHT_BLOCK)
-    _large_strides(buf, start, total, n, block)
-    _blocks_sign_unpad(buf, out, d, start, total, block, key, scale)
+    nt = (4 * n * count >= NT_MIN_BYTES and (dst.ctypes.data + 4 * di) % 64 == 0)
+    threads = numba.get_num_threads()
+    if count == 1 and n > 4096 and threads > 1:
+        squares[0] = vk.fwht_shared_partition(src, si, dst, di, n, pos, key, scale,
+                                              _scratch_rows(1, n)[0], sign, nt, add, has_add)
+    else:
+        vk.fwht_partitions(src, si, dst, di, n, count, pos, key, scale,
+                           _scratch_rows(min(threads, count), n), sign, nt, add, has_add,
+                           squares)
 
 
 def fwht_inplace(buf: np.ndarray, start: int, n: int) -> None:
     """Unnormalized Walsh-Hadamard transform of buf[start:start+n] (n a power of two)."""
-    if n < 8:
-        _fwht_small(buf, start, n)
+    _transform(buf, start, buf, start, n, 1, 0, np.uint64(0), np.float32(1.0), vk.SIGN_NONE)
+
+
+def rht_forward(x, out, d, start, total, n, key, scale, add=None, squares=None):
+    """out[start:start+total] = H D x / sqrt(n) (+ add) for consecutive zero-padded
+    partitions of size n (total a multiple of n); x holds the d unpadded floats."""
+    count = total // n
+    if squares is None:
+        squares = np.empty(count, dtype=np.float64)
+    if start + total <= d:
+        _transform(x, start, out, start, n, count, start, key, scale, vk.SIGN_FIRST, add,
+                   squares)
         return
-    block = min(n, FWHT_BLOCK)
-    _fwht_blocks(buf, start, n, block)
-    _large_strides(buf, start, n, n, block)
+    # the last partition runs past d: its zero-padded copy goes through the same kernels
+    _transform(x, start, out, start, n, count - 1, start, key, scale, vk.SIGN_FIRST, add,
+               squares[:count - 1])
+    last = start + (count - 1) * n
+    padded = np.zeros(n, dtype=np.float32)
+    padded[:d - last] = x[last:d]
+    _transform(padded, 0, out, last, n, 1, last, key, scale, vk.SIGN_FIRST, add,
+               squares[count - 1:])
 
 
+def rht_inverse(y, out, d, start, total, n, key, scale):
+    """out[start:min(start+total, d)] = D H y / sqrt(n) per partition of size n (y is
+    only read)."""
+    count = total // n
+    if start + total <= d:
+        _transform(y, start, out, start, n, count, start, key, scale, vk.SIGN_LAST)
+        return
+    _transform(y, start, out, start, n, count - 1, start, key, scale, vk.SIGN_LAST)
+    last = start + (count - 1) * n
+    tail = aligned_empty(n)
+    _transform(y, last, tail, 0, n, 1, last, key, scale, vk.SIGN_LAST)
+    out[last:d] = tail[:d - last]
+
+
+# ---- lookup and decode ----------------------------------------------------------------
+DECODE_TASK = 1 << 16
+
+
+# Inner loops run over slices from index 0: an index that could be negative carries
+# Numba's wraparound select, which keeps LLVM from vectorizing (5x slower here).
 @njit(parallel=True, cache=True, nogil=True)
-def _fwht_blocks(buf, start, n, block):
-    for b in prange(n // block):
-        _block_stages(buf, start + b * block, block)
-
-
-# ---- quantization -----------------------------------------------------------------------
-@njit(cache=True, inline="always")
-def _index(x, m, sc, g, table_f32, lower, inv_width, u):
-    """Bracketing table index of x after clamping to [-m, m], rounded up with probability
-    (y - T[j]) * inv_width[j] (u uniform in [0, 1)). Branch-free: the coin flip is
-    unpredictable, and a branch on it costs ~10x."""
-    x = min(max(x, -m), m)
-    y = min((x + m) * sc, g)
-    j = np.int64(lower[np.int64(y)])
-    frac = (y - table_f32[j]) * inv_width[j]
-    return j + np.int64(u < frac)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _quantize(rot, half, scale, table_f32, lower, inv_width, log_p, key, out):
-    """Clamp, map to grid units, stochastically round to a bracketing table value, pack
-    (element 2k in the high nibble). Returns the number of NaN/Inf inputs (index 0)."""
-    g = table_f32[table_f32.shape[0] - 1]
-    nonfinite = 0
-    for k in prange(out.shape[0]):
-        e = 2 * k
-        part = e >> log_p              # both elements of a byte share a partition
-        m = half[part]
-        sc = scale[part]
-        word = _bits(key, k)
-        u_hi = np.float32(word >> U40) * UNIFORM_SCALE
-        u_lo = np.float32((word >> U8) & U24MASK) * UNIFORM_SCALE
-        x0 = rot[e]
-        x1 = rot[e + 1]
-        ok0 = np.isfinite(x0)
-        ok1 = np.isfinite(x1)
-        if not (ok0 and ok1):          # rare: count, and quantize a 0 in their place
-            nonfinite += np.int64(not ok0) + np.int64(not ok1)
-            x0 = x0 if ok0 else np.float32(0.0)
-            x1 = x1 if ok1 else np.float32(0.0)
-        z0 = _index(x0, m, sc, g, table_f32, lower, inv_width, u_hi)
-        z1 = _index(x1, m, sc, g, table_f32, lower, inv_width, u_lo)
-        out[k] = (z0 << 4) | z1
-    return nonfinite
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def _lookup(packed, table_u8, out):
-    for k in prange(packed.shape[0]):
-        b = packed[k]
-        out[2 * k] = table_u8[b >> 4]
-        out[2 * k + 1] = table_u8[b & 15]
+def _lookup(packed, pair_table, out16):
+    """Both table values of a packed byte in one 16-bit load: pair_table[b] holds T[b >> 4]
+    in its low byte (element 2k, first in memory) and T[b & 15] in its high byte."""
+    n = packed.shape[0]
+    tasks = (n + DECODE_TASK - 1) // DECODE_TASK
+    for task in prange(tasks):
+        src = packed[task * DECODE_TASK:min(n, (task + 1) * DECODE_TASK)]
+        dst = out16[task * DECODE_TASK:min(n, (task + 1) * DECODE_TASK)]
+        for k in range(src.shape[0]):
+            dst[k] = pair_table[src[k]]
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _decode_rotated(sums, counts, half, step, log_p, out):
-    """-M + (Y / count) * step per element; count 0 -> 0. counts: 1 entry or one each."""
+    """-M + (Y / count) * step per element; count 0 -> 0. counts: 1 entry or one each.
+    Tasks never straddle a partition, so M and step are loop constants and the loop
+    vectorizes (same float32 operations as the reference)."""
+    n = out.shape[0]
+    task = min(DECODE_TASK, 1 << log_p)
     per_element = counts.shape[0] > 1
-    for i in prange(out.shape[0]):
-        c = counts[i] if per_element else counts[0]
-        part = i >> log_p
-        if c > 0:
-            out[i] = (np.float32(sums[i]) / c) * step[part] - half[part]
+    for t in prange((n + task - 1) // task):
+        lo = t * task
+        hi = min(n, lo + task)
+        part = lo >> log_p
+        m = half[part]
+        st = step[part]
+        y = sums[lo:hi]
+        dst = out[lo:hi]
+        if per_element:
+            cs = counts[lo:hi]
+            for i in range(dst.shape[0]):
+                c = cs[i]
+                v = (np.float32(y[i]) / c) * st - m
+                dst[i] = v if c > 0 else np.float32(0.0)
         else:
-            out[i] = np.float32(0.0)
+            c = counts[0]
+            if c > 0:
+                for i in range(dst.shape[0]):
+                    dst[i] = (np.float32(y[i]) / c) * st - m
+            else:
+                for i in range(dst.shape[0]):
+                    dst[i] = np.float32(0.0)
 
 
 # ---- the backend interface the codec calls ----------------------------------------------
@@ -328,6 +222,9 @@ length = _NumpyKernels.length
 wrap_like = _NumpyKernels.wrap_like
 pad = _NumpyKernels.pad
 unpad = _NumpyKernels.unpad
+add_inplace = _NumpyKernels.add_inplace
+subtract = _NumpyKernels.subtract
+copy_into = _NumpyKernels.copy_into
 
 
 def _contiguous(a, dtype=None):
@@ -341,53 +238,119 @@ def as_counts(counts, padded):
 
 def partition_norms(a, layout):
     a = _contiguous(a, np.float32)
-    chunk = min(layout.partition_size, NORM_CHUNK)
-    sums = _chunk_sumsq(a, chunk)
-    per_part = layout.partition_size // chunk
-    norms = np.zeros(layout.num_partitions, dtype=np.float64)
-    np.add.at(norms, np.arange(len(sums)) // per_part, sums)
-    return np.sqrt(norms).astype(np.float32)
+    squares = vk.sum_squares(a, layout.starts(), layout.data_lengths(), NORM_CHUNK)
+    return np.sqrt(squares).astype(np.float32)
 
 
-def rotate(a, layout, sign_key):
+def _output(out, length, what):
+    """The caller's output buffer, checked, or a fresh cache-line-aligned one."""
+    if out is None:
+        return aligned_empty(length)
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 1
+            and out.shape[0] == length and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError(f"{what}: out must be a writable contiguous float32 array of length "
+                         f"{length}")
+    return out
+
+
+def rotate(a, layout, sign_key, out=None, add=None, norms=False):
+    """The RHT of every zero-padded partition (+ add, a padded rotated-domain vector);
+    with norms, also the L2 norm of every output partition, from the same pass."""
     a = _contiguous(a, np.float32)
-    out = np.empty(layout.padded, dtype=np.float32)
+    out = _output(out, layout.padded, "rotate")
+    if np.shares_memory(a, out):
+        a = a.copy()                 # the tail padding would read what it just wrote
+    if add is not None:
+        add = _contiguous(add, np.float32)
+        if add.shape != (layout.padded,):
+            raise ValueError(f"rotate: add has shape {add.shape}, expected ({layout.padded},)")
     key = np.uint64(sign_key)
+    squares = np.zeros(layout.num_partitions, dtype=np.float64)
+    k = 0
     for s, total, n in layout.segments():
-        rht_forward(a, out, layout.d, s, total, n, key, np.float32(1.0 / np.sqrt(n)))
+        count = total // n
+        rht_forward(a, out, layout.d, s, total, n, key, np.float32(1.0 / np.sqrt(n)), add,
+                    squares[k:k + count])
+        k += count
+    if norms:
+        return out, np.sqrt(squares).astype(np.float32)
     return out
 
 
-def inverse_rotate(a, layout, sign_key, overwrite=False):
-    buf = _contiguous(a, np.float32) if overwrite else np.array(a, dtype=np.float32, copy=True)
-    out = np.empty(layout.d, dtype=np.float32)
+def inverse_rotate(a, layout, sign_key, overwrite=False, out=None):
+    """The input is only read (overwrite is accepted for interface compatibility)."""
+    a = _contiguous(a, np.float32)
+    out = _output(out, layout.d, "inverse_rotate")
+    if np.shares_memory(a, out):
+        a = a.copy()
     key = np.uint64(sign_key)
     for s, total, n in layout.segments():
-        rht_inverse(buf, out, layout.d, s, total, n, key, np.float32(1.0 / np.sqrt(n)))
+        rht_inverse(a, out, layout.d, s, total, n, key, np.float32(1.0 / np.sqrt(n)))
     return out
 
 
-def quantize(a, half, scale, codec, layout, key):
+def quantize(a, half, scale, codec, layout, key, step=None, error_out=None):
+    """Packed indices; with error_out (padded float32), also a - own dequantized value,
+    from the same pass (step: the per-partition decode step, needed then)."""
     a = _contiguous(a, np.float32)
     out = np.empty(layout.padded // 2, dtype=np.uint8)
+    cells, inv_width, values = _quantizer_tables(codec)
     log_p = layout.partition_size.bit_length() - 1
-    nonfinite = _quantize(a, half, scale, codec.table_f32, codec.lower, codec.inv_width, log_p,
-                          np.uint64(key), out)
+    has_err = error_out is not None
+    err = error_out if has_err else a
+    if step is None:
+        step = np.zeros_like(half)
+    nonfinite = vk.quantize(a, half, scale, step, np.float32(codec.granularity), cells,
+                            inv_width, values, log_p, np.uint64(key), out, err, has_err)
     return out, int(nonfinite)
+
+
+def _quantizer_tables(codec):
+    tables = getattr(codec, "_vector_tables", None)
+    if tables is None:
+        tables = vk.quantizer_tables(codec.table, codec.lower, codec.inv_width)
+        codec._vector_tables = tables
+    return tables
 
 
 def lookup(packed, table_u8):
     packed = _contiguous(packed, np.uint8)
     out = np.empty(2 * packed.shape[0], dtype=np.uint8)
-    _lookup(packed, table_u8, out)
+    _lookup(packed, _pair_table(table_u8), out.view(np.uint16))
     return out
 
 
-def decode_rotated(sums, counts, half, step, layout):
+_pair_tables = {}
+
+
+def _pair_table(table_u8):
+    key = table_u8.tobytes()
+    pairs = _pair_tables.get(key)
+    if pairs is None:
+        b = np.arange(256)
+        pairs = (table_u8[b >> 4].astype(np.uint16) |
+                 (table_u8[b & 15].astype(np.uint16) << 8))
+        if sys.byteorder == "big":                          # element 2k first in memory
+            pairs = pairs.byteswap()
+        _pair_tables[key] = pairs
+    return pairs
+
+
+def decode_rotated(sums, counts, half, step, layout, out=None):
     sums = _contiguous(sums)
     if sums.dtype.kind not in "iu":
         raise TypeError(f"sums must be an integer array, got {sums.dtype}")
-    out = np.empty(layout.padded, dtype=np.float32)
+    out = np.empty(layout.padded, dtype=np.float32) if out is None else out
     log_p = layout.partition_size.bit_length() - 1
     _decode_rotated(sums, counts, half, step, log_p, out)
     return out
+
+
+def decoded_scratch(length: int) -> np.ndarray:
+    """A per-thread float32 buffer for decode's rotated-domain intermediate (read by the
+    inverse RHT, never returned): no page faults per call."""
+    buf = getattr(_scratch, "decoded", None)
+    if buf is None or buf.size < length:
+        buf = aligned_empty(length)
+        _scratch.decoded = buf
+    return buf[:length]

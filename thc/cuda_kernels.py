@@ -1,8 +1,8 @@
 """Numba CUDA kernels for the codec, behind codec.THCCodec (picked for CUDA inputs).
 
-Same semantics and the same float32 operation order as thc.cpu_kernels, so quantization
-indices agree bit for bit (the hash is integer-only; no fused multiply-add pattern is
-present in the quantizer). Torch CUDA tensors are viewed through
+Same semantics and the same float32 operation order as thc.reference and the CPU kernels
+(thc.vector_kernels), so quantization indices agree bit for bit (the hash is integer-only;
+no fused multiply-add pattern is present in the quantizer). Torch CUDA tensors are viewed through
 __cuda_array_interface__ (no copies); outputs come back as torch tensors on the same
 device, or as Numba device arrays for Numba inputs. Tested under NUMBA_ENABLE_CUDASIM=1.
 """
@@ -142,7 +142,8 @@ def _fwht_stage4(buf, start, total, log_h):
 
 @cuda.jit(device=True)
 def _index(x, m, sc, g, table_f32, lower, inv_width, u):
-    """Same arithmetic, same order as cpu_kernels._index (bit-identical indices)."""
+    """Same arithmetic, same order as reference.quantize and vector_kernels._quantize_lanes
+    (bit-identical indices)."""
     x = min(max(x, -m), m)
     y = min((x + m) * sc, g)
     j = np.int64(lower[np.int64(y)])
@@ -197,6 +198,20 @@ def _decode_rotated(sums, counts, half, step, log_p, out):
             out[i] = (np.float32(sums[i]) / c) * step[part] - half[part]
         else:
             out[i] = np.float32(0.0)
+
+
+@cuda.jit
+def _add_inplace(a, b):
+    i = cuda.grid(1)
+    if i < a.shape[0]:
+        a[i] = a[i] + b[i]
+
+
+@cuda.jit
+def _subtract(a, b, out):
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = a[i] - b[i]
 
 
 # ---- the backend interface the codec calls ----------------------------------------------
@@ -326,3 +341,15 @@ def decode_rotated(sums, counts, half, step, layout):
                                           cuda.to_device(step),
                                           layout.partition_size.bit_length() - 1, out)
     return out
+
+
+def add_inplace(a, b):
+    _add_inplace[_grid(a.shape[0])](a, b)
+
+
+def subtract(a, b, out):
+    _subtract[_grid(out.shape[0])](a, b, out)
+
+
+def copy_into(dst, src):
+    dst.copy_to_device(src)

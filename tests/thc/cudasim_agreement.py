@@ -46,6 +46,26 @@ def main():
         check(np.allclose(got, want, atol=1e-5), f"decode d={d}")
         back = codec.inverse_rotate(cuda.to_device(rot), d).copy_to_host()
         check(np.allclose(back, x, atol=1e-5), f"inverse d={d}")
+    # rotated-domain error feedback through the CUDA backend (composed there, fused on the
+    # CPU): rotate(add=, out=) and quantize(error_out=) agree with the CPU path
+    codec = thc.THCCodec(partition_size=128, seed=3)
+    x = rs.standard_normal(300).astype(np.float32)
+    padded = codec.padded_length(300)
+    e = rs.standard_normal(padded).astype(np.float32) * np.float32(0.1)
+    want, want_norms = codec.rotate_and_norms(x, add=e)
+    out_dev = cuda.device_array(padded, dtype=np.float32)
+    got, got_norms = codec.rotate_and_norms(cuda.to_device(x), add=cuda.to_device(e),
+                                            out=out_dev)
+    check(got is out_dev and np.allclose(got.copy_to_host(), want, atol=1e-6),
+          "rotate(add=, out=)")
+    check(np.allclose(got_norms, want_norms, rtol=1e-5), "rotate_and_norms norms")
+    err = np.empty(padded, np.float32)
+    packed = codec.quantize(want, want_norms, worker=1, round=2, tensor=3, error_out=err)
+    err_dev = cuda.device_array(padded, dtype=np.float32)
+    packed_dev = codec.quantize(cuda.to_device(want), want_norms, worker=1, round=2, tensor=3,
+                                error_out=err_dev)
+    check(np.array_equal(packed_dev.copy_to_host(), packed), "quantize with error_out")
+    check(np.allclose(err_dev.copy_to_host(), err, atol=1e-6), "quantize error_out")
     # global (radix-4 and radix-2) FWHT stages, with a tiny shared-memory block
     cuda_kernels.SHARED_FWHT = 8
     codec = thc.THCCodec(partition_size=128, seed=3)

@@ -10,10 +10,19 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def _env(**extra):
+    """The subprocess imports thc from this checkout (a script's sys.path starts at its own
+    folder, so without this it would get whatever thc is installed)."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
 
 
 def test_cuda_kernels_agree_with_cpu_under_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = _env(NUMBA_ENABLE_CUDASIM="1")
     proc = subprocess.run([sys.executable, str(HERE / "cudasim_agreement.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -23,14 +32,14 @@ def test_cuda_kernels_agree_with_cpu_under_simulator():
 def test_cuda_kernels_compile_to_ptx():
     """Needs NVVM/NVRTC (e.g. pip install --target DIR nvidia-cuda-nvcc-cu12
     nvidia-cuda-nvrtc-cu12, then THC_CUDA_LIBS=DIR); skipped when they are absent."""
-    env = dict(os.environ)
+    env = _env()
     libs = env.get("THC_CUDA_LIBS")
     if libs:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
             [f"{libs}/nvidia/cuda_nvrtc/lib", f"{libs}/nvidia/cuda_nvcc/nvvm/lib64",
              env.get("LD_LIBRARY_PATH", "")])
         env["CUDA_HOME"] = f"{libs}/nvidia/cuda_nvcc"
-        env["PYTHONPATH"] = os.pathsep.join([libs, env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([libs, env["PYTHONPATH"]])
     proc = subprocess.run([sys.executable, str(HERE / "ptx_compile.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     if proc.returncode == 3:

@@ -240,3 +240,32 @@ def test_error_feedback_reduces_bias():
     with pytest.raises(ValueError, match="shape"):
         ef.update("v", np.ones(3), np.zeros(3))
         ef.compensate("v", np.ones(4))
+
+
+@pytest.mark.parametrize("partition_size", [16, 1 << 12])     # per-byte path, 32-wide path
+def test_nonfinite_counted_in_every_quantizer_path(partition_size):
+    codec = thc.THCCodec(partition_size=partition_size)
+    r = codec.rotate(np.ones(2 * partition_size, np.float32))
+    r[[1, 6, -1]] = [np.nan, np.inf, -np.inf]
+    norms = np.ones(2, np.float32)
+    with pytest.raises(thc.NonFiniteError, match=f"3 of {2 * partition_size}"):
+        codec.quantize(r, norms, worker=0, round=0, tensor=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_and_inverse_write_into_out(backend, rs):
+    codec = thc.THCCodec(partition_size=256, backend=backend)
+    d = 600
+    x = rs.standard_normal(d).astype(np.float32)
+    norms = codec.partition_norms(x)
+    sums = codec.lookup(codec.compress(x, norms, worker=0, round=0, tensor=0)).astype(np.int32)
+    out = np.full(d, np.nan, np.float32)
+    assert codec.decode(sums * 2, 2, norms, d, out=out) is out
+    np.testing.assert_array_equal(out, codec.decode(sums * 2, 2, norms, d))
+    rot = codec.rotate(x)
+    assert codec.inverse_rotate(rot, d, out=out) is out
+    np.testing.assert_array_equal(out, codec.inverse_rotate(rot, d))
+    grad = torch.from_numpy(x.copy())              # the mean may replace the gradient
+    assert codec.decode(torch.from_numpy(sums), 1, norms, d, out=grad) is grad
+    with pytest.raises(ValueError, match="contiguous float32 buffer of 600"):
+        codec.decode(sums, 1, norms, d, out=np.empty(d, np.float64))

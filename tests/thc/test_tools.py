@@ -41,4 +41,21 @@ def test_bench_nmse_and_speed_write_json(tmp_path, capsys):
     stages = {s["stage"] for s in speed["stages"]}
     assert {"RHT", "quantize+pack", "table lookup"} <= stages
     assert all(s["numba_gbs"] > 0 and s["torch_gbs"] > 0 for s in speed["stages"])
-    assert "Numba/torch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Numba/torch" in out and "rotated domain (1 inverse RHT)" in out
+    assert [r["variant"] for r in speed["error_feedback"]] == [
+        "gradient domain (2 inverse RHTs)", "rotated domain (1 inverse RHT)"]
+    try:
+        import fht_cpu  # noqa: F401
+    except ImportError:
+        assert speed["fht_cpu"] is None and "fht-cpu is not installed" in out
+    else:
+        assert speed["fht_cpu"]["max_rel_diff"] < 1e-5 and speed["fht_cpu"]["rht_over_fht"] > 0
+
+
+def test_bench_speed_runs_without_fht_cpu(tmp_path, capsys, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "fht_cpu", None)      # import fails as if absent
+    assert bench._speed_vs_fht_cpu(bench.THCCodec(), bench.np.ones(1 << 12, "float32"),
+                                   1) is None
+    assert "fht-cpu is not installed" in capsys.readouterr().out

@@ -1,0 +1,543 @@
+"""What the TNA program (p4src/tna) needs installed for a job description, without a switch.
+
+`plan_switch(config, options)` turns a `dataplane.config.SwitchConfig` (the JSON that
+`SwitchConfig.save` writes, the same file BMv2, DPDK and the reference read) into every
+write the bfrt_python scripts make: table entries by bfrt name, multicast nodes and groups,
+Traffic Manager queue settings, port bring-up. It refuses a description the program cannot
+hold with a `ConfigError` naming the limit and what to lower, before anything touches a
+switch. `counters_from_cells` turns the counter cells read back into the protocol's names.
+
+Pure standard-library Python plus `dataplane.config` (itself standard library only), so the
+SDE's bfshell Python imports it as well as the project's venv: one validation, one plan,
+for the dry run, the tests and the switch.
+"""
+from __future__ import annotations
+
+import inspect
+import ipaddress
+import math
+from dataclasses import dataclass, field
+
+from dataplane.config import NUM_QUEUES, ConfigError, Job, SwitchConfig
+
+# ---- resource limits of p4src/tna (headers.p4, counters.p4); keep in step with the P4 ----
+TOFINO_MAX_VALUES = 64          # values per packet in one pass (MAX_VALUES)
+INDEX_BYTES = TOFINO_MAX_VALUES // 2
+SUM_WORDS = TOFINO_MAX_VALUES // 4
+MAX_JOBS = 16
+SLOT_BUDGET = 8192              # slots of all jobs together (two copies each)
+MAX_ROUTES = 1024
+NEXT_HOP_SLOTS = 8192
+JOB_COUNTER_STRIDE = 16
+GLOBAL_COUNTER_CELLS_SIZE = 16
+MAX_DEV_PORT = 511
+MAX_WORKERS = 32
+QUEUE_DEPTH_MAX_CELLS = (1 << 19) - 1   # enq_qdepth is 19 bits (cells)
+DEFAULT_PROGRAM = "thc_ina"
+PLANE = "the Tofino program"
+
+# Cell sizes of the traffic manager buffer (tm.cfg.cell_size_bytes).
+CELL_BYTES = {1: 80, 2: 176}
+# Frame bytes of an aggregation packet before its payload: Ethernet, IPv4, UDP, AGG.
+AGG_FRAME_OVERHEAD = 14 + 20 + 8 + 32
+YELLOW_STEPS = ("12.5%", "25%", "37.5%", "50%", "62.5%", "75%", "87.5%", "100%")
+
+# ---- bfrt names (pipe.<control instance path>.<table>) ----
+INGRESS = "pipe.SwitchIngress"
+EGRESS = "pipe.SwitchEgress"
+T_JOBS = f"{INGRESS}.job_membership.jobs"
+T_MEMBERS = f"{INGRESS}.job_membership.members"
+T_SWITCH_ADDRESS = f"{INGRESS}.switch_address.switch_address"
+T_AGG_LENGTHS = f"{INGRESS}.validation.agg_lengths"
+T_EXPECTED_BITS = (f"{INGRESS}.validation.expected_bits_high",
+                   f"{INGRESS}.validation.expected_bits_mid",
+                   f"{INGRESS}.validation.expected_bits_low")
+EXPECTED_CHUNKS = ((21, 11, "set_bits_a"), (10, 11, "set_bits_b"), (0, 10, "set_bits_c"))
+T_EXPECTED_TOO_FEW = f"{INGRESS}.validation.expected_too_few"
+T_DSCP = f"{INGRESS}.dlcp_classify.dscp_to_queue"
+T_DROP_REPORTING = f"{INGRESS}.dlcp_classify.drop_reporting"
+T_ROUTES = f"{INGRESS}.ipv4_forwarding.routes"
+T_NEXT_HOPS = f"{INGRESS}.ipv4_forwarding.next_hops"
+T_MEMBER_ADDRESSES = f"{EGRESS}.member_addressing.member_addresses"
+T_CONTRIBUTOR_BITS = tuple(f"{EGRESS}.result_shape.contributor_bits_{k}" for k in range(4))
+CONTRIBUTOR_ACTIONS = ("set_bits_a", "set_bits_b", "set_bits_c", "set_bits_d")
+T_QUEUE_THRESHOLDS = f"{EGRESS}.dlcp_admission.queue_thresholds"
+C_JOB = f"{INGRESS}.job_counters"
+C_GLOBAL = f"{INGRESS}.global_counters"
+C_DLCP = f"{EGRESS}.dlcp_admission.dlcp_counters"
+
+
+def lookup_table(position: int) -> str:
+    return f"{INGRESS}.lookup_{position}.byte_to_lanes"
+
+
+# Counter cells (p4src/tna/counters.p4).
+JOB_CELLS = {"pending": 0, "complete": 1, "duplicate": 2, "reserved": 3, "straggler": 4,
+             "flush": 5, "drop_bad_slot": 6, "drop_not_member": 7, "drop_bad_expected": 8,
+             "drop_unsatisfiable": 9}
+GLOBAL_CELLS = {"drop_truncated": 0, "drop_bad_version": 1, "drop_bad_type": 2,
+                "drop_bad_length": 3, "drop_unknown_job": 4, "drop_not_routable": 5,
+                "forwarded": 6, "drop_fragment": 7}
+DLCP_CELLS = {"dlcp_selective_drop": 0, "dlcp_buffer_drop": 1, "dlcp_ce_marked": 2}
+# The protocol's per-job names (protocol.md 4.5) as sums of outcome cells.
+JOB_NAMES = {
+    "rx": ("pending", "complete", "duplicate", "reserved", "straggler", "flush"),
+    "aggregated": ("pending", "complete"),
+    "results_multicast": ("complete",),
+    "results_reserved": ("reserved",),
+    "straggler_notices": ("straggler",),
+    "flushes": ("flush",),
+    "drop_bad_slot": ("drop_bad_slot",),
+    "drop_not_member": ("drop_not_member",),
+    "drop_bad_expected": ("drop_bad_expected",),
+    "drop_duplicate": ("duplicate",),
+    "drop_unsatisfiable": ("drop_unsatisfiable",),
+}
+
+
+# --------------------------------------------------------------------------- plan types
+@dataclass(frozen=True)
+class Ternary:
+    value: int
+    mask: int
+
+
+@dataclass(frozen=True)
+class Lpm:
+    value: int
+    prefix_length: int
+
+
+@dataclass(frozen=True)
+class Range:
+    low: int
+    high: int
+
+
+def key_kwargs(key) -> dict:
+    """bfrt_python keyword arguments of a key: name=v (exact), name/name_mask (ternary),
+    name/name_p_length (lpm), name_start/name_end (range)."""
+    out = {}
+    for name, value in key:
+        if isinstance(value, Ternary):
+            out[name], out[f"{name}_mask"] = value.value, value.mask
+        elif isinstance(value, Lpm):
+            out[name], out[f"{name}_p_length"] = value.value, value.prefix_length
+        elif isinstance(value, Range):
+            out[f"{name}_start"], out[f"{name}_end"] = value.low, value.high
+        else:
+            out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One entry by bfrt names: key values are ints (exact) or Ternary / Lpm / Range;
+    MATCH_PRIORITY is the priority of a ternary or range entry. Data values are ints."""
+    table: str
+    key: tuple[tuple[str, object], ...]
+    action: str
+    data: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def key_dict(self) -> dict:
+        return dict(self.key)
+
+    @property
+    def data_dict(self) -> dict:
+        return dict(self.data)
+
+
+@dataclass(frozen=True)
+class DefaultEntry:
+    """The default action of a (keyless) table."""
+    table: str
+    action: str
+    data: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class MulticastNode:
+    node_id: int
+    rid: int                      # egress_rid of the replica: the member's worker id
+    dev_ports: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MulticastGroup:
+    mgid: int
+    node_ids: tuple[int, ...]     # one node per member, in worker-id order
+
+
+@dataclass(frozen=True)
+class QueueSetting:
+    """One (port, queue) of the traffic manager (tm.queue.*)."""
+    dev_port: int
+    queue: int                    # the logical qid the ingress sets
+    priority: int                 # strict priority: 7 served first
+    capacity_cells: int           # buffer_only limit: the DLCP capacity C
+    yellow_limit: str             # colour limit for Not-ECT data (K / C, rounded up)
+
+
+@dataclass(frozen=True)
+class PortSetting:
+    dev_port: int
+    speed: str
+    fec: str
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """Where a job lives inside the program's shared resources."""
+    job: int
+    index: int                    # counter block, multicast group index + 1
+    slot_base: int
+    pool_size: int
+
+    @property
+    def group_id(self) -> int:
+        return self.index + 1
+
+    @property
+    def counter_base(self) -> int:
+        return self.index * JOB_COUNTER_STRIDE
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """What the job description does not say: the switch's hardware and SDE."""
+    program: str = DEFAULT_PROGRAM
+    tofino: int = 1                         # 1 or 2: cell size, TM table prefix
+    port_map: tuple[tuple[int, int], ...] = ()   # protocol port -> dev_port (default: same)
+    speed: str = "BF_SPEED_100G"
+    fec: str = "BF_FEC_TYP_NONE"
+    add_ports: bool = False                 # bring the ports up (port.port) as well
+    drop_report_port: int | None = None     # dev_port whose queue counts TM drops
+    dlcp_packet_bytes: int | None = None    # frame size the queue limits are sized for
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "DeployOptions":
+        d = dict(d or {})
+        if "port_map" in d:
+            d["port_map"] = tuple((int(k), int(v)) for k, v in dict(d["port_map"]).items())
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return {"program": self.program, "tofino": self.tofino,
+                "port_map": {str(k): v for k, v in self.port_map},
+                "speed": self.speed, "fec": self.fec, "add_ports": self.add_ports,
+                "drop_report_port": self.drop_report_port,
+                "dlcp_packet_bytes": self.dlcp_packet_bytes}
+
+    def dev_port(self, port: int) -> int:
+        return dict(self.port_map).get(port, port)
+
+
+@dataclass
+class TofinoPlan:
+    layouts: dict[int, JobLayout]
+    entries: list[TableEntry] = field(default_factory=list)
+    defaults: list[DefaultEntry] = field(default_factory=list)
+    nodes: list[MulticastNode] = field(default_factory=list)
+    groups: list[MulticastGroup] = field(default_factory=list)
+    queues: list[QueueSetting] = field(default_factory=list)
+    ports: list[PortSetting] = field(default_factory=list)
+    drop_report_port: int | None = None
+    cells_per_packet: int = 1
+
+    def tables(self) -> dict[str, list[TableEntry]]:
+        by_table: dict[str, list[TableEntry]] = {}
+        for e in self.entries:
+            by_table.setdefault(e.table, []).append(e)
+        return by_table
+
+    def summary(self) -> list[tuple[int, str]]:
+        rows = [(len(v), k) for k, v in sorted(self.tables().items())]
+        rows += [(len(self.defaults), "default actions"), (len(self.nodes), "multicast nodes"),
+                 (len(self.groups), "multicast groups"), (len(self.queues), "TM queues"),
+                 (len(self.ports), "ports")]
+        return rows
+
+
+def _entry(table: str, key: dict, action: str, data: dict | None = None) -> TableEntry:
+    return TableEntry(table, tuple(key.items()), action, tuple((data or {}).items()))
+
+
+def mac_int(mac: str) -> int:
+    return int(mac.replace(":", ""), 16)
+
+
+def ip_int(ip: str) -> int:
+    return int(ipaddress.IPv4Address(ip))
+
+
+# --------------------------------------------------------------------------- checks
+def _supports_v2(config: SwitchConfig) -> bool:
+    return "max_values" in inspect.signature(config.validate).parameters
+
+
+def values_per_packet(job: Job) -> int:
+    """The job's values_per_packet (protocol v2 R7). A dataplane.config from before v2 has
+    no such field; its jobs then use the program's whole MAX_VALUES, as v1 hosts did."""
+    return int(getattr(job, "values_per_packet", TOFINO_MAX_VALUES))
+
+
+def member_mask(job: Job) -> int:
+    mask = 0
+    for m in job.members:
+        mask |= 1 << m.worker
+    return mask
+
+
+def validate(config: SwitchConfig) -> None:
+    """dataplane.config's validation (the one every control plane runs) with this program's
+    limits, then what only Tofino limits. Raises ConfigError saying what to lower."""
+    if _supports_v2(config):
+        config.validate(max_slots=SLOT_BUDGET, max_values=TOFINO_MAX_VALUES, plane=PLANE)
+    else:
+        config.validate(max_slots=SLOT_BUDGET)
+    for job in config.jobs:
+        vpp = values_per_packet(job)
+        if vpp > TOFINO_MAX_VALUES:
+            raise ConfigError(f"job {job.job}: values_per_packet {vpp} exceeds {PLANE}'s limit "
+                              f"of {TOFINO_MAX_VALUES} values per packet; lower "
+                              "values_per_packet")
+    if len(config.jobs) > MAX_JOBS:
+        raise ConfigError(f"{len(config.jobs)} jobs; {PLANE} holds at most {MAX_JOBS} "
+                          "(MAX_JOBS in p4src/tna/headers.p4): run fewer jobs per switch")
+    total = sum(j.pool_size for j in config.jobs)
+    if total > SLOT_BUDGET:
+        sizes = ", ".join(f"job {j.job}: {j.pool_size}" for j in config.jobs)
+        raise ConfigError(f"the jobs ask for {total} slots ({sizes}); {PLANE} has "
+                          f"{SLOT_BUDGET} in all: lower pool_size")
+    if len(config.routes) > MAX_ROUTES:
+        raise ConfigError(f"{len(config.routes)} routes; {PLANE} holds at most {MAX_ROUTES}: "
+                          "aggregate prefixes")
+    hops = sum(len(r.next_hops) for r in config.routes)
+    if hops > NEXT_HOP_SLOTS:
+        raise ConfigError(f"{hops} next hops in all routes; {PLANE} holds at most "
+                          f"{NEXT_HOP_SLOTS}: drop some extra_hops")
+
+
+def _check_options(config: SwitchConfig, options: DeployOptions) -> None:
+    if options.tofino not in CELL_BYTES:
+        raise ConfigError(f"tofino {options.tofino}: the program targets Tofino 1 or 2")
+    for port, dev in options.port_map:
+        if not 0 <= dev <= MAX_DEV_PORT:
+            raise ConfigError(f"port_map: protocol port {port} -> dev_port {dev} is not a "
+                              f"device port (0..{MAX_DEV_PORT})")
+    if options.drop_report_port is not None and not 0 <= options.drop_report_port <= MAX_DEV_PORT:
+        raise ConfigError(f"drop_report_port {options.drop_report_port} is not a device port "
+                          f"(0..{MAX_DEV_PORT})")
+    for job in config.jobs:
+        for m in job.members:
+            if not 0 <= options.dev_port(m.port) <= MAX_DEV_PORT:
+                raise ConfigError(f"job {job.job} worker {m.worker}: port {m.port} has no "
+                                  "device port; add it to port_map")
+        pipes = sorted({pipe_of(options.dev_port(m.port)) for m in job.members})
+        if len(pipes) > 1:
+            raise ConfigError(f"job {job.job}: members on pipes {pipes}; a pipe's slot "
+                              "registers see only the packets entering that pipe: attach "
+                              "the job's workers to ports of one pipe")
+
+
+def pipe_of(dev_port: int) -> int:
+    """DEVPORT_PIPE of tofino1_specs.p4: bits 8:7 of the device port."""
+    return dev_port >> 7
+
+
+# --------------------------------------------------------------------------- planning
+def job_layouts(config: SwitchConfig) -> dict[int, JobLayout]:
+    """Dense job indices and slot ranges, in job-id order (as the BMv2 plan)."""
+    layouts, base = {}, 0
+    for index, job in enumerate(sorted(config.jobs, key=lambda j: j.job)):
+        layouts[job.job] = JobLayout(job.job, index, base, job.pool_size)
+        base += job.pool_size
+    return layouts
+
+
+def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
+                options: DeployOptions) -> list[TableEntry]:
+    mask = member_mask(job)
+    entries = [_entry(T_JOBS, {"job": job.job}, "set_job", {
+        "counter_base": layout.counter_base, "slot_base": layout.slot_base,
+        "pool_size": layout.pool_size, "values_per_packet": values_per_packet(job),
+        "nonmember_mask": ~mask & 0xFFFFFFFF, "member_count": len(job.members),
+        "group": layout.group_id})]
+    for m in sorted(job.members, key=lambda m: m.worker):
+        entries.append(_entry(T_MEMBERS, {
+            "job": job.job, "worker": m.worker, "port": options.dev_port(m.port),
+            "mac": mac_int(m.mac), "ip": ip_int(m.ip), "udp_port": m.udp_port}, "member"))
+        entries.append(_entry(T_MEMBER_ADDRESSES, {"job": job.job, "worker": m.worker},
+                              "address_member", {
+                                  "switch_mac": mac_int(config.mac),
+                                  "switch_ip": ip_int(config.ip),
+                                  "member_mac": mac_int(m.mac), "member_ip": ip_int(m.ip),
+                                  "member_udp_port": m.udp_port,
+                                  "worker_bit": 1 << m.worker}))
+    return entries + lookup_entries(job)
+
+
+def lookup_entries(job: Job) -> list[TableEntry]:
+    """The 256-entry byte table of every byte position: b -> (T[b >> 4], T[b & 15])."""
+    table = [int(v) for v in job.table]
+    return [_entry(lookup_table(position), {"job": job.job, "packed": byte}, "set_lanes",
+                   {"high_value": table[byte >> 4], "low_value": table[byte & 0x0F]})
+            for position in range(INDEX_BYTES) for byte in range(256)]
+
+
+def multicast(job: Job, layout: JobLayout,
+              options: DeployOptions) -> tuple[list[MulticastNode], MulticastGroup]:
+    """One PRE node per member (rid = worker id, the member's port), in worker-id order."""
+    nodes = [MulticastNode(layout.index * MAX_WORKERS + m.worker + 1, m.worker,
+                           (options.dev_port(m.port),))
+             for m in sorted(job.members, key=lambda m: m.worker)]
+    return nodes, MulticastGroup(layout.group_id, tuple(n.node_id for n in nodes))
+
+
+def payload_bytes(pkt_type: int, num_values: int) -> int:
+    return (num_values + 1) // 2 if pkt_type == 0 else 0
+
+
+def validation_entries() -> list[TableEntry]:
+    """Protocol constants the program reads from tables (validation.p4, aggregation.p4)."""
+    entries = [_entry(T_AGG_LENGTHS, {"pkt_type": Ternary(0, 0xF),
+                                      "num_values": Ternary(n, 0xFFFF),
+                                      "udp_length": Ternary(40 + payload_bytes(0, n), 0xFFFF),
+                                      "MATCH_PRIORITY": 1}, "length_fits")
+               for n in range(1, TOFINO_MAX_VALUES + 1)]
+    entries.append(_entry(T_AGG_LENGTHS, {"pkt_type": Ternary(3, 0xF),
+                                          "num_values": Ternary(0, 0),
+                                          "udp_length": Ternary(40, 0xFFFF),
+                                          "MATCH_PRIORITY": 1}, "length_fits"))
+    for table, (_, width, action) in zip(T_EXPECTED_BITS, EXPECTED_CHUNKS):
+        entries += [_entry(table, {"chunk": chunk}, action, {"bits": bin(chunk).count("1")})
+                    for chunk in range(1 << width)]
+    widths = [width for _, width, _ in EXPECTED_CHUNKS]
+    for a in range(widths[0] + 1):
+        for b in range(widths[1] + 1):
+            for c in range(widths[2] + 1):
+                too_few = Range(a + b + c + 1, 63)
+                entries.append(_entry(T_EXPECTED_TOO_FEW, {
+                    "bits_a": a, "bits_b": b, "bits_c": c, "min_count": too_few,
+                    "MATCH_PRIORITY": 1}, "too_few_expected"))
+    for table, action in zip(T_CONTRIBUTOR_BITS, CONTRIBUTOR_ACTIONS):
+        entries += [_entry(table, {"byte": byte}, action, {"bits": bin(byte).count("1")})
+                    for byte in range(256)]
+    return entries
+
+
+def cells_per_packet(config: SwitchConfig, options: DeployOptions) -> int:
+    """Queue cells one packet takes: the DLCP limits are in packets, the TM's in cells.
+    Sized for the largest RESULT of the description unless the options say otherwise."""
+    frame = options.dlcp_packet_bytes
+    if frame is None:
+        largest = max((values_per_packet(j) for j in config.jobs), default=TOFINO_MAX_VALUES)
+        frame = AGG_FRAME_OVERHEAD + largest
+    return max(1, math.ceil(frame / CELL_BYTES[options.tofino]))
+
+
+def yellow_limit(threshold: int, capacity: int) -> str:
+    """The smallest colour-limit step at or above the (K + 1)-th packet: the TM never drops
+    a Not-ECT packet the reference keeps; the egress drops the ones between K and it."""
+    if threshold >= capacity:
+        return YELLOW_STEPS[-1]
+    step = math.ceil(len(YELLOW_STEPS) * (threshold + 1) / capacity)
+    return YELLOW_STEPS[min(max(step, 1), len(YELLOW_STEPS)) - 1]
+
+
+def dlcp_plan(config: SwitchConfig, options: DeployOptions,
+              ports: list[int]) -> tuple[list[TableEntry], list[QueueSetting], int]:
+    dlcp = config.dlcp
+    cpp = cells_per_packet(config, options)
+    capacity_cells = dlcp.capacity * cpp
+    if capacity_cells > QUEUE_DEPTH_MAX_CELLS:
+        raise ConfigError(f"dlcp: capacity {dlcp.capacity} packets x {cpp} cells = "
+                          f"{capacity_cells} cells exceeds {PLANE}'s queue limit of "
+                          f"{QUEUE_DEPTH_MAX_CELLS} cells (19-bit queue depth); lower capacity")
+    entries = [_entry(T_DSCP, {"dscp": dscp}, "set_queue",
+                      {"queue": queue, "is_data": int(is_data)})
+               for dscp, (queue, is_data) in sorted(dlcp.dscp_map.items())]
+    for queue in range(NUM_QUEUES):
+        # K in cells; a threshold past the capacity never marks (the queue is full first)
+        mark = min(int(dlcp.thresholds[queue]) * cpp, 0xFFFFFFFF)
+        entries.append(_entry(T_QUEUE_THRESHOLDS, {"queue": queue}, "set_threshold",
+                              {"mark_cells": mark}))
+    queues = [QueueSetting(port, queue, queue, capacity_cells,
+                           yellow_limit(int(dlcp.thresholds[queue]), dlcp.capacity))
+              for port in ports for queue in range(NUM_QUEUES)]
+    return entries, queues, cpp
+
+
+def route_entries(config: SwitchConfig, options: DeployOptions) -> list[TableEntry]:
+    """One LPM entry per route naming its next-hop group, one entry per next hop (route i
+    owns turn cell i and next_hops next_hop_base .. next_hop_base + k - 1, in order)."""
+    entries, base = [], 0
+    for index, r in enumerate(config.routes):
+        net = ipaddress.IPv4Network(r.prefix, strict=False)
+        hops = r.next_hops
+        prefix = Lpm(int(net.network_address), net.prefixlen)
+        entries.append(_entry(T_ROUTES, {"dst_addr": prefix}, "spray", {
+            "route_index": index, "next_hop_base": base, "next_hop_last": len(hops) - 1,
+            "switch_mac": mac_int(config.mac)}))
+        for offset, (port, mac) in enumerate(hops):
+            entries.append(_entry(T_NEXT_HOPS, {"next_hop_index": base + offset}, "set_next_hop",
+                                  {"port": options.dev_port(port), "next_hop_mac": mac_int(mac)}))
+        base += len(hops)
+    return entries
+
+
+def used_ports(config: SwitchConfig, options: DeployOptions) -> list[int]:
+    ports = {options.dev_port(m.port) for j in config.jobs for m in j.members}
+    ports |= {options.dev_port(p) for r in config.routes for p, _ in r.next_hops}
+    if options.drop_report_port is not None:
+        ports.add(options.drop_report_port)
+    return sorted(ports)
+
+
+def plan_switch(config: SwitchConfig, options: DeployOptions | None = None) -> TofinoPlan:
+    """Everything to install for `config`; raises ConfigError with what to change."""
+    options = options or DeployOptions()
+    validate(config)
+    _check_options(config, options)
+    layouts = job_layouts(config)
+    plan = TofinoPlan(layouts)
+    plan.entries.append(_entry(T_SWITCH_ADDRESS, {"dst_addr": ip_int(config.ip)},
+                               "aggregator_address"))
+    for job in sorted(config.jobs, key=lambda j: j.job):
+        layout = layouts[job.job]
+        plan.entries += job_entries(config, job, layout, options)
+        nodes, group = multicast(job, layout, options)
+        plan.nodes += nodes
+        plan.groups.append(group)
+    plan.entries += validation_entries()
+    ports = used_ports(config, options)
+    dlcp_entries, plan.queues, plan.cells_per_packet = dlcp_plan(config, options, ports)
+    plan.entries += dlcp_entries
+    plan.entries += route_entries(config, options)
+    plan.drop_report_port = options.drop_report_port
+    plan.defaults.append(DefaultEntry(T_DROP_REPORTING, "set_drop_reporting",
+                                      (("enabled", int(options.drop_report_port is not None)),)))
+    if options.add_ports:
+        plan.ports = [PortSetting(p, options.speed, options.fec) for p in ports]
+    return plan
+
+
+# --------------------------------------------------------------------------- counters
+def counters_from_cells(layouts: dict[int, JobLayout], job_cells: dict[int, int],
+                        global_cells: dict[int, int], dlcp_cells: dict[int, int],
+                        drops_reported: bool = True) -> dict:
+    """Counter cells read from the switch -> the {"global", "jobs"} dict of protocol 4.5.
+
+    Without a drop-report port the TM's drops are not seen by the program: the two DLCP
+    drop counters are then None (unknown), never a number that looks measured."""
+    glob = {name: int(global_cells.get(cell, 0)) for name, cell in GLOBAL_CELLS.items()}
+    glob.update({name: int(dlcp_cells.get(cell, 0)) for name, cell in DLCP_CELLS.items()})
+    if not drops_reported:
+        glob["dlcp_selective_drop"] = glob["dlcp_buffer_drop"] = None
+    jobs = {}
+    for job, layout in layouts.items():
+        cells = {name: int(job_cells.get(layout.counter_base + cell, 0))
+                 for name, cell in JOB_CELLS.items()}
+        jobs[job] = {name: sum(cells[c] for c in parts) for name, parts in JOB_NAMES.items()}
+    return {"global": glob, "jobs": jobs}

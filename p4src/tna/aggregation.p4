@@ -1,0 +1,481 @@
+/* Slot state machine (protocol.md section 4), the RESULT / STRAGGLER it emits (section 5).
+ *
+ * Storage. Every (job, slot) owns two copies selected by round parity: register cell
+ * copy_index = (round & 1) ++ (slot_base + slot) of every per-copy register below. Sums are
+ * 8-bit lanes packed four to a 32-bit cell; a RegisterAction adds the packet's four table
+ * values with ONE 32-bit add: set-up refuses n * max(T) > 255 (tofino_plan.py), so no lane
+ * ever carries into the next one and the 32-bit add is the per-lane add of the reference.
+ *
+ * Tofino's rules shape the state machine: a register is read-modified-written at most once
+ * per pass, by one stateful ALU with two comparisons and (Tofino 1) ONE 32-bit result.
+ * So the state of a copy is split over registers in consecutive stages, each answering one
+ * question for the next:
+ *
+ *   occupancy[slot]        {copy0, copy1}: 1 once a round started in the copy, 0 after a
+ *                          FLUSH. One cell holds both copies, so a FLUSH clears the whole
+ *                          slot in one pass: an unoccupied copy is "empty" (protocol 4.2),
+ *                          and every other register of it is rewritten by the next round
+ *                          before anything reads it.
+ *   copy_round[copy]       the copy's round; answers r - R (rule R1: r newer iff that
+ *                          32-bit difference is nonzero with the top bit clear).
+ *   copy_seen[copy]        workers that sent this round (late workers included); answers
+ *                          "did this worker send already".
+ *   copy_left[copy]        contributions still missing before the round completes: set to
+ *                          target - 1 by the first one, target = min_count, or
+ *                          popcount(expected) under the expected-set rule (the protocol lets
+ *                          only expected workers contribute, so bitmap == expected exactly
+ *                          when popcount(expected) of them did). 0 means done.
+ *   copy_contributors[copy] the protocol's bitmap (late workers excluded).
+ *   result_*[copy]         the completing packet's expected, min_count, tensor, offset,
+ *                          num_values, for re-serves.
+ *   sums_k[copy]           lanes 4k..4k+3, k = 0..15.
+ *
+ * Each register has one RegisterAction per thing a packet may do to it (start a round,
+ * join it, read it) and every pass executes at most one of them (tests/tofino checks it). */
+#ifndef _THC_INA_TNA_AGGREGATION_P4_
+#define _THC_INA_TNA_AGGREGATION_P4_
+
+struct occupancy_t {
+    bit<8> copy0;
+    bit<8> copy1;
+}
+
+/* Round classification, contribution tracking and completion: everything that decides
+ * what the packet does to the copy. */
+control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
+    Register<occupancy_t, slot_index_t>(SLOT_BUDGET) occupancy;
+
+    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy0 = {
+        void apply(inout occupancy_t cell, out bit<8> was_occupied) {
+            was_occupied = cell.copy0;
+            cell.copy0 = 1;
+        }
+    };
+
+    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy1 = {
+        void apply(inout occupancy_t cell, out bit<8> was_occupied) {
+            was_occupied = cell.copy1;
+            cell.copy1 = 1;
+        }
+    };
+
+    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) empty_copies = {
+        void apply(inout occupancy_t cell) {
+            cell.copy0 = 0;
+            cell.copy1 = 0;
+        }
+    };
+
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) copy_round;
+
+    /* r - R from the old R (the alu_hi output of a 32-bit cell); the copy takes round r
+     * when r is newer (rule R1) or the copy was empty. */
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(copy_round) advance_round = {
+        void apply(inout bit<32> round, out bit<32> distance) {
+            distance = hdr.agg.round - round;
+            if (meta.was_occupied == 0 || (int<32>)(hdr.agg.round - round) > 0) {
+                round = hdr.agg.round;
+            }
+        }
+    };
+
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) copy_seen;
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(copy_seen) start_seen = {
+        void apply(inout bit<32> seen) {
+            seen = meta.worker_bit;
+        }
+    };
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(copy_seen) join_seen = {
+        void apply(inout bit<32> seen, out bit<32> before) {
+            before = seen & meta.worker_bit;
+            seen = seen | meta.worker_bit;
+        }
+    };
+
+    Register<bit<8>, copy_index_t>(SLOT_COPIES) copy_left;
+
+    RegisterAction<bit<8>, copy_index_t, bit<8>>(copy_left) start_left = {
+        void apply(inout bit<8> left) {
+            left = meta.target_left;
+        }
+    };
+
+    RegisterAction<bit<8>, copy_index_t, bit<8>>(copy_left) join_left = {
+        void apply(inout bit<8> left, out bit<8> before) {
+            before = left;
+            if (left != 0) {
+                left = left - 1;
+            }
+        }
+    };
+
+    RegisterAction<bit<8>, copy_index_t, bit<8>>(copy_left) read_left = {
+        void apply(inout bit<8> left, out bit<8> before) {
+            before = left;
+        }
+    };
+
+    action occupy_0() { meta.was_occupied = occupy_copy0.execute(meta.slot_index); }
+    action occupy_1() { meta.was_occupied = occupy_copy1.execute(meta.slot_index); }
+    action flush_slot() { empty_copies.execute(meta.slot_index); }
+    action take_round() { meta.round_distance = advance_round.execute(meta.copy_index); }
+
+    action begin_round() {
+        meta.fresh = 1;
+        start_seen.execute(meta.copy_index);
+    }
+
+    action join_round() {
+        meta.same_round = 1;
+        meta.already_seen = join_seen.execute(meta.copy_index);
+    }
+
+    action behind_round() {
+        meta.obsolete = 1;
+        meta.copy_round = hdr.agg.round - meta.round_distance;
+    }
+
+    action count_first() { start_left.execute(meta.copy_index); }
+    action count_join() { meta.left_before = join_left.execute(meta.copy_index); }
+    action count_read() { meta.left_before = read_left.execute(meta.copy_index); }
+
+    apply {
+        meta.slot_index = meta.slot_base + (slot_index_t)hdr.agg.slot;
+        if (hdr.agg.pkt_type == TYPE_FLUSH) {
+            flush_slot();                               /* protocol.md 4.6 */
+        } else {
+            meta.copy_index = hdr.agg.round[0:0] ++ meta.slot_index;
+            if (meta.expected_size == 0 || hdr.agg.min_count != 0) {
+                meta.target = hdr.agg.min_count;        /* k of n */
+            } else {
+                meta.target = meta.expected_size;       /* the expected set */
+            }
+            meta.target_left = meta.target - 1;
+            if (hdr.agg.round[0:0] == 0) {
+                occupy_0();
+            } else {
+                occupy_1();
+            }
+            take_round();
+            /* protocol.md 4.2 with rule R1, straight from the two registers' answers (a
+             * stage that first stored the verdict would cost the sums a stage) */
+            if (meta.was_occupied == 0 ||
+                (meta.round_distance != 0 && meta.round_distance[31:31] == 0)) {
+                begin_round();
+            } else if (meta.round_distance == 0) {
+                join_round();
+            } else {
+                behind_round();
+            }
+            if (meta.fresh == 1) {
+                count_first();
+            } else if (meta.same_round == 1) {
+                if (meta.already_seen == 0) {
+                    count_join();
+                } else {
+                    count_read();
+                }
+            }
+            /* section 4.2 step 3 and 4.3 */
+            if (meta.fresh == 1) {
+                if (meta.target == 1) {
+                    meta.outcome = OUTCOME_COMPLETE;
+                } else {
+                    meta.outcome = OUTCOME_PENDING;
+                }
+            } else if (meta.obsolete == 1) {
+                meta.outcome = OUTCOME_STRAGGLER;
+            } else if (meta.left_before == 0) {
+                meta.outcome = OUTCOME_RESERVE;         /* done: the stored result */
+            } else if (meta.already_seen != 0) {
+                meta.outcome = OUTCOME_DUPLICATE;
+            } else if (meta.left_before == 1) {
+                meta.outcome = OUTCOME_COMPLETE;
+            } else {
+                meta.outcome = OUTCOME_PENDING;
+            }
+        }
+    }
+}
+
+/* One aggregation block: lanes 4k..4k+3 of every copy (THC: four 8-bit values added by
+ * one 32-bit register ALU pass). The output is the copy's sum after this packet: the
+ * RESULT payload of a completing packet or of a re-serve. */
+control SumWord(in ingress_metadata_t meta,
+                in bit<32> values,
+                inout bit<32> sums) {
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) lanes;
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(lanes) first_values = {
+        void apply(inout bit<32> cell, out bit<32> result) {
+            cell = values;
+            result = cell;
+        }
+    };
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(lanes) add_values = {
+        void apply(inout bit<32> cell, out bit<32> result) {
+            cell = cell + values;
+            result = cell;
+        }
+    };
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(lanes) read_values = {
+        void apply(inout bit<32> cell, out bit<32> result) {
+            result = cell;
+        }
+    };
+
+    action start_sum() { sums = first_values.execute(meta.copy_index); }
+    action add_sum() { sums = add_values.execute(meta.copy_index); }
+    action read_sum() { sums = read_values.execute(meta.copy_index); }
+
+    apply {
+        /* the same answers SlotState used, so all registers agree on what happened */
+        if (meta.fresh == 1) {
+            start_sum();
+        } else if (meta.same_round == 1) {
+            if (meta.left_before == 0) {
+                read_sum();                             /* re-serve */
+            } else if (meta.already_seen == 0) {
+                add_sum();                              /* aggregate */
+            }
+        }
+    }
+}
+
+/* The contributor bitmap and the completing packet's header fields (for re-serves,
+ * protocol.md 5.2). A STRAGGLER reads the bitmap (5.3). */
+control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) copy_contributors;
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(copy_contributors) first_contributor = {
+        void apply(inout bit<32> bitmap, out bit<32> result) {
+            bitmap = meta.worker_bit;
+            result = bitmap;
+        }
+    };
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(copy_contributors) add_contributor = {
+        void apply(inout bit<32> bitmap, out bit<32> result) {
+            bitmap = bitmap | meta.worker_bit;
+            result = bitmap;
+        }
+    };
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(copy_contributors) read_contributors = {
+        void apply(inout bit<32> bitmap, out bit<32> result) {
+            result = bitmap;
+        }
+    };
+
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) result_expected;
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) result_tensor;
+    Register<bit<32>, copy_index_t>(SLOT_COPIES) result_offset;
+    Register<bit<16>, copy_index_t>(SLOT_COPIES) result_num_values;
+    Register<bit<8>,  copy_index_t>(SLOT_COPIES) result_min_count;
+
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(result_expected) store_expected = {
+        void apply(inout bit<32> value) { value = hdr.agg.expected; } };
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(result_expected) load_expected = {
+        void apply(inout bit<32> value, out bit<32> stored) { stored = value; } };
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(result_tensor) store_tensor = {
+        void apply(inout bit<32> value) { value = hdr.agg.tensor; } };
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(result_tensor) load_tensor = {
+        void apply(inout bit<32> value, out bit<32> stored) { stored = value; } };
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(result_offset) store_offset = {
+        void apply(inout bit<32> value) { value = hdr.agg.offset; } };
+    RegisterAction<bit<32>, copy_index_t, bit<32>>(result_offset) load_offset = {
+        void apply(inout bit<32> value, out bit<32> stored) { stored = value; } };
+    RegisterAction<bit<16>, copy_index_t, bit<16>>(result_num_values) store_num_values = {
+        void apply(inout bit<16> value) { value = hdr.agg.num_values; } };
+    RegisterAction<bit<16>, copy_index_t, bit<16>>(result_num_values) load_num_values = {
+        void apply(inout bit<16> value, out bit<16> stored) { stored = value; } };
+    RegisterAction<bit<8>, copy_index_t, bit<8>>(result_min_count) store_min_count = {
+        void apply(inout bit<8> value) { value = hdr.agg.min_count; } };
+    RegisterAction<bit<8>, copy_index_t, bit<8>>(result_min_count) load_min_count = {
+        void apply(inout bit<8> value, out bit<8> stored) { stored = value; } };
+
+    action start_bitmap() { hdr.agg.contributors = first_contributor.execute(meta.copy_index); }
+    action join_bitmap() { hdr.agg.contributors = add_contributor.execute(meta.copy_index); }
+    action read_bitmap() { hdr.agg.contributors = read_contributors.execute(meta.copy_index); }
+
+    /* one action per register: each stateful ALU is placed in its own stage slot */
+    action store_expected_field()   { store_expected.execute(meta.copy_index); }
+    action store_tensor_field()     { store_tensor.execute(meta.copy_index); }
+    action store_offset_field()     { store_offset.execute(meta.copy_index); }
+    action store_num_values_field() { store_num_values.execute(meta.copy_index); }
+    action store_min_count_field()  { store_min_count.execute(meta.copy_index); }
+    action load_expected_field()    { hdr.agg.expected = load_expected.execute(meta.copy_index); }
+    action load_tensor_field()      { hdr.agg.tensor = load_tensor.execute(meta.copy_index); }
+    action load_offset_field()      { hdr.agg.offset = load_offset.execute(meta.copy_index); }
+    action load_num_values_field() {
+        hdr.agg.num_values = load_num_values.execute(meta.copy_index);
+    }
+    action load_min_count_field() {
+        hdr.agg.min_count = load_min_count.execute(meta.copy_index);
+    }
+
+    apply {
+        /* one call site per register action: one table, one stage for the register */
+        if (meta.fresh == 1) {
+            start_bitmap();
+        } else if (meta.obsolete == 1 || (meta.same_round == 1 && meta.left_before == 0)) {
+            read_bitmap();                              /* STRAGGLER, re-serve, late worker */
+        } else if (meta.same_round == 1 && meta.already_seen == 0) {
+            join_bitmap();                              /* aggregate */
+        }
+        /* num_values first: the RESULT's word count waits for it */
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_num_values_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_num_values_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_expected_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_expected_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_tensor_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_tensor_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_offset_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_offset_field();
+        }
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            store_min_count_field();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            load_min_count_field();
+        }
+    }
+}
+
+#define WORD_VALID(k) if (hdr.agg.num_values > 4 * k) { hdr.sums[k].setValid(); }
+
+/* Turns the DATA packet into the RESULT or STRAGGLER of protocol.md section 5 and sends it
+ * on: the TM multicasts a completion to the job's group, re-serves and notices go back out
+ * of the ingress port. Addressing, count, LATE and lengths are set per copy in egress. */
+control BuildAggReply(inout headers_t hdr,
+                      inout ingress_metadata_t meta,
+                      in ingress_intrinsic_metadata_t ig_intr_md,
+                      inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    action invalidate_indices() {
+        hdr.idx[0].setInvalid();  hdr.idx[1].setInvalid();  hdr.idx[2].setInvalid();
+        hdr.idx[3].setInvalid();  hdr.idx[4].setInvalid();  hdr.idx[5].setInvalid();
+        hdr.idx[6].setInvalid();  hdr.idx[7].setInvalid();  hdr.idx[8].setInvalid();
+        hdr.idx[9].setInvalid();  hdr.idx[10].setInvalid(); hdr.idx[11].setInvalid();
+        hdr.idx[12].setInvalid(); hdr.idx[13].setInvalid(); hdr.idx[14].setInvalid();
+        hdr.idx[15].setInvalid(); hdr.idx[16].setInvalid(); hdr.idx[17].setInvalid();
+        hdr.idx[18].setInvalid(); hdr.idx[19].setInvalid(); hdr.idx[20].setInvalid();
+        hdr.idx[21].setInvalid(); hdr.idx[22].setInvalid(); hdr.idx[23].setInvalid();
+        hdr.idx[24].setInvalid(); hdr.idx[25].setInvalid(); hdr.idx[26].setInvalid();
+        hdr.idx[27].setInvalid(); hdr.idx[28].setInvalid(); hdr.idx[29].setInvalid();
+        hdr.idx[30].setInvalid(); hdr.idx[31].setInvalid();
+    }
+
+    action multicast_result() {
+        hdr.agg.pkt_type = TYPE_RESULT;
+        hdr.agg.flags = 0;
+        hdr.agg.reserved = 0;
+        ig_tm_md.mcast_grp_a = meta.group;      /* one PRE node per member, rid = worker */
+        hdr.bridge.kind = BRIDGE_AGG_MULTICAST;
+    }
+
+    action reserve_result() {
+        hdr.agg.pkt_type = TYPE_RESULT;
+        hdr.agg.flags = FLAG_RESERVE;           /* LATE added in egress (contributors) */
+        hdr.agg.reserved = 0;
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+        hdr.bridge.kind = BRIDGE_AGG_UNICAST;
+        hdr.bridge.dest_worker = hdr.agg.worker;
+    }
+
+    action straggler_notice() {
+        /* the received header otherwise (flags, reserved included), 5.3 */
+        hdr.agg.pkt_type = TYPE_STRAGGLER;
+        hdr.agg.num_values = 0;
+        hdr.agg.round = meta.copy_round;
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+        hdr.bridge.kind = BRIDGE_AGG_UNICAST;
+        hdr.bridge.dest_worker = hdr.agg.worker;
+    }
+
+    apply {
+        invalidate_indices();                   /* the indices never leave the switch */
+        if (meta.outcome == OUTCOME_COMPLETE) {
+            multicast_result();
+        } else if (meta.outcome == OUTCOME_RESERVE) {
+            reserve_result();
+        } else {
+            straggler_notice();
+        }
+        if (hdr.agg.pkt_type == TYPE_RESULT) {
+            WORD_VALID(0)  WORD_VALID(1)  WORD_VALID(2)  WORD_VALID(3)
+            WORD_VALID(4)  WORD_VALID(5)  WORD_VALID(6)  WORD_VALID(7)
+            WORD_VALID(8)  WORD_VALID(9)  WORD_VALID(10) WORD_VALID(11)
+            WORD_VALID(12) WORD_VALID(13) WORD_VALID(14) WORD_VALID(15)
+        }
+    }
+}
+
+/* Egress, per copy: count = popcount(contributors) (four byte tables), the LATE flag of a
+ * re-serve for a worker whose values are not in the sums, and the lengths. */
+control ResultShape(inout headers_t hdr, inout egress_metadata_t meta) {
+    action set_bits_a(bit<8> bits) { meta.contributors_a = bits; }
+    action set_bits_b(bit<8> bits) { meta.contributors_b = bits; }
+    action set_bits_c(bit<8> bits) { meta.contributors_c = bits; }
+    action set_bits_d(bit<8> bits) { meta.contributors_d = bits; }
+
+    table contributor_bits_0 {
+        key = { hdr.agg.contributors[31:24] : exact @name("byte"); }
+        actions = { set_bits_a; }
+        const default_action = set_bits_a(0);
+        size = 256;
+    }
+
+    table contributor_bits_1 {
+        key = { hdr.agg.contributors[23:16] : exact @name("byte"); }
+        actions = { set_bits_b; }
+        const default_action = set_bits_b(0);
+        size = 256;
+    }
+
+    table contributor_bits_2 {
+        key = { hdr.agg.contributors[15:8] : exact @name("byte"); }
+        actions = { set_bits_c; }
+        const default_action = set_bits_c(0);
+        size = 256;
+    }
+
+    table contributor_bits_3 {
+        key = { hdr.agg.contributors[7:0] : exact @name("byte"); }
+        actions = { set_bits_d; }
+        const default_action = set_bits_d(0);
+        size = 256;
+    }
+
+    apply {
+        contributor_bits_0.apply();
+        contributor_bits_1.apply();
+        contributor_bits_2.apply();
+        contributor_bits_3.apply();
+        meta.contributors_ab = meta.contributors_a + meta.contributors_b;
+        meta.contributors_cd = meta.contributors_c + meta.contributors_d;
+        hdr.agg.count = meta.contributors_ab + meta.contributors_cd;
+        meta.late_bit = hdr.agg.contributors & meta.dest_worker_bit;
+        if (hdr.agg.pkt_type == TYPE_RESULT && hdr.agg.flags == FLAG_RESERVE &&
+            meta.late_bit == 0) {
+            hdr.agg.flags = FLAG_RESERVE | FLAG_LATE;
+        }
+        hdr.udp.length = UDP_HEADER_LEN + AGG_HEADER_LEN + hdr.agg.num_values;
+        hdr.ipv4.total_len = IPV4_HEADER_LEN + hdr.udp.length;
+    }
+}
+
+#endif

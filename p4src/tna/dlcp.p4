@@ -1,0 +1,139 @@
+/* DLCP stage (protocol.md section 6, notes/dlcp.md 7.3) on the Tofino traffic manager.
+ *
+ * Classification (ingress): DSCP -> (queue, is_data) by table; the queue is the packet's
+ * qid, and the control plane gives the port's eight queues strict priority (queue 7
+ * first) in the TM scheduler (bfrt_scripts: TrafficManager).
+ *
+ * Admission, split between the TM and the egress because the Tofino 1 ingress cannot see
+ * queue depths:
+ *   - capacity C: the queue's buffer limit in the TM (buffer_only, C * cells-per-packet
+ *     cells); the TM tail-drops at enqueue, as the reference does;
+ *   - selective drop above K[q]: Not-ECT data packets are coloured YELLOW, everything else
+ *     GREEN, and the queue's yellow drop limit is K / C rounded UP to the TM's 12.5% steps,
+ *     so the TM drops unimportant packets at enqueue once the queue is (nearly) past K;
+ *     the egress then drops the Not-ECT data packets that got in between K and the
+ *     rounded limit, deciding on enq_qdepth (the depth this packet met at enqueue), so
+ *     the decision is exactly "occupancy > K";
+ *   - CE marking: ECT data packets whose enq_qdepth exceeded K leave with ECN = CE, the
+ *     checksum updated by rule R5 (checksums.p4) or recomputed for aggregator packets.
+ * Counting: every TM drop is deflected (deflect_on_drop) to the pipe's drop-report queue,
+ * where the egress counts it as dlcp_selective_drop (yellow) or dlcp_buffer_drop (green)
+ * and discards it, so all three DLCP counters keep the protocol's names. See README.md for
+ * where this differs from the reference and how Tofino 2 ghost threads close the gap. */
+#ifndef _THC_INA_TNA_DLCP_P4_
+#define _THC_INA_TNA_DLCP_P4_
+
+control DlcpClassify(inout headers_t hdr,
+                     inout ingress_metadata_t meta,
+                     inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    action set_queue(bit<3> queue, bit<1> is_data) {
+        meta.queue = queue;
+        meta.is_data = is_data;
+    }
+
+    table dscp_to_queue {
+        key = { hdr.ipv4.dscp : exact @name("dscp"); }
+        actions = { set_queue; }
+        /* unlisted DSCP: lowest queue, never dropped selectively */
+        const default_action = set_queue(0, 0);
+        size = 64;
+    }
+
+    action set_drop_reporting(bit<1> enabled) {
+        meta.report_drops = enabled;
+    }
+
+    /* keyless: enabled by the control plane once the drop-report queue is configured */
+    table drop_reporting {
+        actions = { set_drop_reporting; }
+        default_action = set_drop_reporting(0);
+        size = 1;
+    }
+
+    apply {
+        if (hdr.ipv4.isValid()) {
+            dscp_to_queue.apply();
+        } else {
+            meta.queue = 0;
+            meta.is_data = 0;
+        }
+        drop_reporting.apply();
+        ig_tm_md.qid = (QueueId_t)meta.queue;
+        ig_tm_md.ingress_cos = meta.queue;
+        ig_tm_md.deflect_on_drop = meta.report_drops;
+        hdr.bridge.queue = meta.queue;
+        hdr.bridge.is_data = meta.is_data;
+        if (meta.is_data == 1 && hdr.ipv4.ecn == 0) {
+            ig_tm_md.packet_color = COLOR_YELLOW;   /* unimportant: dropped first */
+            hdr.bridge.yellow = 1;
+        } else {
+            ig_tm_md.packet_color = COLOR_GREEN;
+            hdr.bridge.yellow = 0;
+        }
+    }
+}
+
+control DlcpAdmission(inout headers_t hdr,
+                      inout egress_metadata_t meta,
+                      in egress_intrinsic_metadata_t eg_intr_md,
+                      inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Counter<bit<32>, bit<2>>(DLCP_COUNTER_CELLS, CounterType_t.PACKETS) dlcp_counters;
+
+    action set_threshold(bit<32> mark_cells) {
+        meta.mark_threshold = mark_cells;
+    }
+
+    /* K[queue] in queue cells, installed per queue by the control plane */
+    table queue_thresholds {
+        key = { hdr.bridge.queue : exact @name("queue"); }
+        actions = { set_threshold; }
+        const default_action = set_threshold(0xFFFFFFFF);
+        size = 8;
+    }
+
+    action count_deflected(bit<2> cell) {
+        meta.dlcp_count = 1;
+        meta.dlcp_cell = cell;
+        eg_dprsr_md.drop_ctl = 1;           /* it was dropped: only counted here */
+    }
+
+    action selective_drop() {
+        meta.dlcp_count = 1;
+        meta.dlcp_cell = DC_SELECTIVE_DROP;
+        eg_dprsr_md.drop_ctl = 1;
+    }
+
+    action mark_ce() {
+        meta.dlcp_count = 1;
+        meta.dlcp_cell = DC_CE_MARKED;
+        meta.ce_marked = 1;
+        meta.checksum_delta = 3 - (bit<16>)hdr.ipv4.ecn;   /* read before the write */
+        hdr.ipv4.ecn = 3;
+    }
+
+    apply {
+        if (eg_intr_md.deflection_flag == 1) {
+            /* a packet the TM refused at enqueue, deflected here to be counted */
+            if (hdr.bridge.yellow == 1) {
+                count_deflected(DC_SELECTIVE_DROP);
+            } else {
+                count_deflected(DC_BUFFER_DROP);
+            }
+        } else if (hdr.bridge.is_data == 1 && hdr.ipv4.isValid()) {
+            queue_thresholds.apply();
+            meta.depth_excess = (bit<32>)eg_intr_md.enq_qdepth - meta.mark_threshold;
+            if (meta.depth_excess != 0 && meta.depth_excess[31:31] == 0) {
+                if (hdr.ipv4.ecn == 0) {
+                    selective_drop();       /* Not-ECT past K: unimportant */
+                } else if (hdr.ipv4.ecn != 3) {
+                    mark_ce();              /* ECT past K: important, kept */
+                }
+            }
+        }
+        if (meta.dlcp_count == 1) {
+            dlcp_counters.count(meta.dlcp_cell);
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,48 @@
+/* THC table lookup: packed byte -> two 8-bit lane values (protocol.md 2.2, 4.2).
+ *
+ * One exact-match table per byte position (THC's "every aggregation block holds its own
+ * copy of the lookup table"): a table is applied once per pass, so the ingress
+ * instantiates this control INDEX_BYTES times. The control plane installs, per job, 256
+ * entries: packed byte b -> T[b >> 4], T[b & 15] (bfrt_scripts/tofino_plan.py). The table
+ * keys on the packet's job field, so the lookups do not wait for the job table and fill
+ * the first stages next to the validation tables. */
+#ifndef _THC_INA_TNA_LOOKUP_P4_
+#define _THC_INA_TNA_LOOKUP_P4_
+
+control ByteLookup(in index_byte_t index_byte,
+                   in bit<16> job,
+                   in bit<16> num_values,
+                   out bit<16> lanes)
+                  (bit<16> byte_position) {
+    action set_lanes(bit<8> high_value, bit<8> low_value) {
+        lanes = high_value ++ low_value;
+    }
+
+    action no_lanes() {
+        lanes = 0;
+    }
+
+    table byte_to_lanes {
+        key = {
+            job               : exact @name("job");
+            index_byte.packed : exact @name("packed");
+        }
+        actions = { set_lanes; @defaultonly no_lanes; }
+        const default_action = no_lanes();
+        size = 256 * MAX_JOBS;
+    }
+
+    apply {
+        if (index_byte.isValid()) {
+            byte_to_lanes.apply();
+        } else {
+            lanes = 0;                  /* past num_values: adds nothing */
+        }
+        /* odd num_values: the last low nibble is padding and adds nothing */
+        if (num_values == 2 * byte_position + 1) {
+            lanes[7:0] = 0;
+        }
+    }
+}
+
+#endif

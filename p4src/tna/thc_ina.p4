@@ -1,0 +1,215 @@
+/* THC-INA in-network aggregation for Tofino (TNA), protocol version 2 (docs/protocol.md).
+ * The role of p4src/v1model/main.p4; named thc_ina so the SDE calls the program thc_ina
+ * (bfrt.thc_ina...). Limits and the resource budget: p4src/tna/README.md.
+ *
+ * Build (Tofino 1):  p4c --target tofino --arch tna -o build/tna p4src/tna/thc_ina.p4
+ *                    (or the SDE's bf-p4c --target tofino --arch tna ...)
+ * Build (Tofino 2):  p4c --target tofino2 --arch t2na ...   (same source)
+ * Install:           python -m bfrt_scripts.deploy --config job.json  (bfrt_scripts/) */
+#include <core.p4>
+#if __TARGET_TOFINO__ == 2
+#include <t2na.p4>
+#else
+#include <tna.p4>
+#endif
+
+#include "headers.p4"
+#include "counters.p4"
+#include "parser.p4"
+#include "lookup.p4"
+#include "validation.p4"
+#include "aggregation.p4"
+#include "dlcp.p4"
+#include "forwarding.p4"
+#include "checksums.p4"
+
+#define LOOKUP(k) lookup_##k.apply(hdr.idx[k], hdr.agg.job, hdr.agg.num_values, meta.lanes.p##k);
+#define SUM_WORD(k, a, b) \
+    sums_##k.apply(meta, meta.lanes.p##a ++ meta.lanes.p##b, hdr.sums[k].lanes);
+
+@pa_auto_init_metadata
+control SwitchIngress(inout headers_t hdr,
+                      inout ingress_metadata_t meta,
+                      in ingress_intrinsic_metadata_t ig_intr_md,
+                      in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
+                      inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
+                      inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    /* per job (counter_base + JC_*) and global (GC_*) counters: one count per packet */
+    Counter<bit<32>, bit<16>>(MAX_JOBS * JOB_COUNTER_STRIDE, CounterType_t.PACKETS) job_counters;
+    Counter<bit<32>, bit<8>>(GLOBAL_COUNTER_CELLS, CounterType_t.PACKETS) global_counters;
+
+    DlcpClassify() dlcp_classify;
+    SwitchAddress() switch_address;
+    Ipv4Forwarding() ipv4_forwarding;
+    JobMembership() job_membership;
+    AggValidation() validation;
+    SlotState() slot_state;
+    ResultFields() result_fields;
+    BuildAggReply() build_reply;
+    ByteLookup(0)  lookup_0;  ByteLookup(1)  lookup_1;  ByteLookup(2)  lookup_2;
+    ByteLookup(3)  lookup_3;  ByteLookup(4)  lookup_4;  ByteLookup(5)  lookup_5;
+    ByteLookup(6)  lookup_6;  ByteLookup(7)  lookup_7;  ByteLookup(8)  lookup_8;
+    ByteLookup(9)  lookup_9;  ByteLookup(10) lookup_10; ByteLookup(11) lookup_11;
+    ByteLookup(12) lookup_12; ByteLookup(13) lookup_13; ByteLookup(14) lookup_14;
+    ByteLookup(15) lookup_15; ByteLookup(16) lookup_16; ByteLookup(17) lookup_17;
+    ByteLookup(18) lookup_18; ByteLookup(19) lookup_19; ByteLookup(20) lookup_20;
+    ByteLookup(21) lookup_21; ByteLookup(22) lookup_22; ByteLookup(23) lookup_23;
+    ByteLookup(24) lookup_24; ByteLookup(25) lookup_25; ByteLookup(26) lookup_26;
+    ByteLookup(27) lookup_27; ByteLookup(28) lookup_28; ByteLookup(29) lookup_29;
+    ByteLookup(30) lookup_30; ByteLookup(31) lookup_31;
+    SumWord() sums_0;  SumWord() sums_1;  SumWord() sums_2;  SumWord() sums_3;
+    SumWord() sums_4;  SumWord() sums_5;  SumWord() sums_6;  SumWord() sums_7;
+    SumWord() sums_8;  SumWord() sums_9;  SumWord() sums_10; SumWord() sums_11;
+    SumWord() sums_12; SumWord() sums_13; SumWord() sums_14; SumWord() sums_15;
+
+    action drop_global(bit<8> cell) {
+        meta.global_cell = cell;
+        ig_dprsr_md.drop_ctl = 1;
+    }
+
+    action count_global(bit<8> cell) {
+        meta.global_cell = cell;
+    }
+
+    action drop_job(bit<8> cell) {
+        meta.count_job = 1;
+        meta.job_cell = cell;
+        ig_dprsr_md.drop_ctl = 1;
+    }
+
+    action count_job(bit<8> cell) {
+        meta.count_job = 1;
+        meta.job_cell = cell;
+    }
+
+    apply {
+        hdr.bridge.setValid();
+        hdr.bridge.kind = BRIDGE_FORWARD;
+        dlcp_classify.apply(hdr, meta, ig_tm_md);
+        switch_address.apply(hdr, meta);
+        job_membership.apply(hdr, meta, ig_intr_md.ingress_port);
+        validation.apply(hdr, meta);
+        /* the lookups only read the packet: they run in the first stages for every packet
+         * (an invalid index byte gives zero lanes) */
+        LOOKUP(0)  LOOKUP(1)  LOOKUP(2)  LOOKUP(3)  LOOKUP(4)  LOOKUP(5)  LOOKUP(6)  LOOKUP(7)
+        LOOKUP(8)  LOOKUP(9)  LOOKUP(10) LOOKUP(11) LOOKUP(12) LOOKUP(13) LOOKUP(14) LOOKUP(15)
+        LOOKUP(16) LOOKUP(17) LOOKUP(18) LOOKUP(19) LOOKUP(20) LOOKUP(21) LOOKUP(22) LOOKUP(23)
+        LOOKUP(24) LOOKUP(25) LOOKUP(26) LOOKUP(27) LOOKUP(28) LOOKUP(29) LOOKUP(30) LOOKUP(31)
+
+        /* ---- rule R4, then protocol.md 4.1 in order; the first failure decides ---- */
+        if (meta.is_fragment == 1 &&
+            ((hdr.udp.isValid() && (hdr.udp.dst_port & AGG_PORT_MASK) == AGG_PORT_BASE) ||
+             meta.to_switch == 1)) {
+            drop_global(GC_DROP_FRAGMENT);
+        } else if (meta.to_agg == 0) {
+            /* ordinary traffic (other fragments, IPv4 with options, short UDP frames) */
+            bool routed;
+            ipv4_forwarding.apply(hdr, meta, ig_tm_md, routed);
+            if (routed) {
+                count_global(GC_FORWARDED);
+            } else {
+                drop_global(GC_DROP_NOT_ROUTABLE);
+            }
+        } else if (!hdr.agg.isValid()) {
+            drop_global(GC_DROP_TRUNCATED);
+        } else if (hdr.agg.version != AGG_VERSION) {
+            drop_global(GC_DROP_BAD_VERSION);
+        } else if (hdr.agg.pkt_type != TYPE_DATA && hdr.agg.pkt_type != TYPE_FLUSH) {
+            drop_global(GC_DROP_BAD_TYPE);
+        } else if (meta.length_ok == 0 || meta.ip_len_gap != IPV4_HEADER_LEN ||
+                   ig_prsr_md.parser_err != 0) {
+            /* includes a frame shorter than its UDP length (the payload parse failed) */
+            drop_global(GC_DROP_BAD_LENGTH);
+        } else if (meta.job_known == 0) {
+            drop_global(GC_DROP_UNKNOWN_JOB);
+        } else if (hdr.agg.pkt_type == TYPE_DATA && meta.values_gap[31:31] == 1) {
+            drop_global(GC_DROP_BAD_LENGTH);            /* rule R7: over the job's limit */
+        } else if (meta.slot_gap[31:31] == 0) {
+            drop_job(JC_DROP_BAD_SLOT);
+        } else if (meta.is_member == 0) {
+            drop_job(JC_DROP_NOT_MEMBER);
+        } else if (hdr.agg.pkt_type == TYPE_DATA &&
+                   ((hdr.agg.expected == 0 && hdr.agg.min_count == 0) ||
+                    (hdr.agg.expected != 0 && meta.worker_expected == 0))) {
+            drop_job(JC_DROP_BAD_EXPECTED);
+        } else if (hdr.agg.pkt_type == TYPE_DATA &&
+                   (meta.stray_workers != 0 ||
+                    (hdr.agg.min_count != 0 && hdr.agg.expected != 0 &&
+                     (meta.too_few_expected == 1 || hdr.agg.min_count[7:6] != 0)) ||
+                    (hdr.agg.min_count != 0 && hdr.agg.expected == 0 &&
+                     meta.members_gap[15:15] == 1))) {
+            drop_job(JC_DROP_UNSATISFIABLE);            /* rule R3 */
+        } else {
+            /* ---- a valid DATA or FLUSH of a member ---- */
+            slot_state.apply(hdr, meta);
+            if (hdr.agg.pkt_type == TYPE_FLUSH) {
+                drop_job(JC_FLUSH);                     /* no reply */
+            } else {
+                /* the result fields first: the RESULT's word count waits for them */
+                result_fields.apply(hdr, meta);
+                SUM_WORD(0,  0,  1)  SUM_WORD(1,  2,  3)  SUM_WORD(2,  4,  5)
+                SUM_WORD(3,  6,  7)  SUM_WORD(4,  8,  9)  SUM_WORD(5,  10, 11)
+                SUM_WORD(6,  12, 13) SUM_WORD(7,  14, 15) SUM_WORD(8,  16, 17)
+                SUM_WORD(9,  18, 19) SUM_WORD(10, 20, 21) SUM_WORD(11, 22, 23)
+                SUM_WORD(12, 24, 25) SUM_WORD(13, 26, 27) SUM_WORD(14, 28, 29)
+                SUM_WORD(15, 30, 31)
+                if (meta.outcome == OUTCOME_PENDING) {
+                    drop_job(JC_PENDING);               /* consumed */
+                } else if (meta.outcome == OUTCOME_DUPLICATE) {
+                    drop_job(JC_DUPLICATE);
+                } else {
+                    if (meta.outcome == OUTCOME_COMPLETE) {
+                        count_job(JC_COMPLETE);
+                    } else if (meta.outcome == OUTCOME_RESERVE) {
+                        count_job(JC_RESERVED);
+                    } else {
+                        count_job(JC_STRAGGLER);
+                    }
+                    build_reply.apply(hdr, meta, ig_intr_md, ig_tm_md);
+                }
+            }
+        }
+
+        /* exactly one counter cell per packet */
+        if (meta.count_job == 1) {
+            meta.job_counter_index = meta.counter_base + (bit<16>)meta.job_cell;
+            job_counters.count(meta.job_counter_index);
+        } else {
+            global_counters.count(meta.global_cell);
+        }
+    }
+}
+
+control SwitchEgress(inout headers_t hdr,
+                     inout egress_metadata_t meta,
+                     in egress_intrinsic_metadata_t eg_intr_md,
+                     in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
+                     inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
+                     inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
+    MemberAddressing() member_addressing;
+    ResultShape() result_shape;
+    DlcpAdmission() dlcp_admission;
+    CeChecksumUpdate() ce_checksum;
+
+    apply {
+        if (eg_intr_md.deflection_flag == 0 &&
+            (hdr.bridge.kind == BRIDGE_AGG_UNICAST || hdr.bridge.kind == BRIDGE_AGG_MULTICAST)) {
+            member_addressing.apply(hdr, meta, eg_intr_md, eg_dprsr_md);
+            result_shape.apply(hdr, meta);
+        }
+        dlcp_admission.apply(hdr, meta, eg_intr_md, eg_dprsr_md);
+        /* aggregator packets get a full recompute in the deparser instead */
+        if (meta.ce_marked == 1 && hdr.bridge.kind == BRIDGE_FORWARD) {
+            ce_checksum.apply(hdr, meta);
+        }
+    }
+}
+
+Pipeline(IngressParser(),
+         SwitchIngress(),
+         IngressDeparser(),
+         EgressParser(),
+         SwitchEgress(),
+         EgressDeparser()) pipe;
+
+Switch(pipe) main;

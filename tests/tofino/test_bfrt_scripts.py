@@ -1,0 +1,393 @@
+"""bfrt_scripts/ against a recording STAND-IN of the bfrt object (tests/tofino/
+bfrt_standin.py: built from the TNA source, it refuses what bfrt_python would refuse; it
+is not a switch). Checks every write for a job, idempotence, the dry run, the refusals,
+the counter readout, the bfshell script and the deploy wrapper."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bfrt_scripts import deploy, setup_switch
+from bfrt_scripts import tofino_plan as tp
+from bfrt_scripts.bfrt_controls import BfrtWriter, ThcInaSwitch, as_int
+from dataplane import reference as ref
+from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
+from tests.tofino.bfrt_standin import BfrtStandIn, StandInError
+
+TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
+V2 = "values_per_packet" in Job.__dataclass_fields__
+needs_v2 = pytest.mark.skipif(not V2, reason="dataplane.config before protocol v2 (branch "
+                                             "proto) has no values_per_packet / R2 check")
+
+
+def members(n: int, first_port: int = 0) -> tuple[Member, ...]:
+    return tuple(Member(w, first_port + w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.0.{w + 1}",
+                        40000 + w) for w in range(n))
+
+
+def job(job_id=10, pool=8, n=4, first_port=0, vpp=64) -> Job:
+    if V2:
+        return Job(job_id, pool, TABLE, members(n, first_port), vpp)
+    return Job(job_id, pool, TABLE, members(n, first_port))
+
+
+def config(**kw) -> SwitchConfig:
+    jobs = kw.pop("jobs", (job(), job(11, 4, 3, first_port=8)))
+    routes = kw.pop("routes", (Route("10.9.0.0/16", 20, "02:00:00:00:09:01",
+                                     extra_hops=((21, "02:00:00:00:09:02"),)),))
+    return SwitchConfig(jobs=jobs, routes=routes, **kw).validate()
+
+
+OPTIONS = tp.DeployOptions(drop_report_port=30, add_ports=True)
+
+
+def table_writes(standin, prefix="thc_ina.pipe."):
+    return [w for w in standin.log if w[1].startswith(prefix)]
+
+
+# ---------------------------------------------------------------- every write for a job
+def test_install_writes_every_planned_entry_exactly_once():
+    standin = BfrtStandIn()
+    switch = ThcInaSwitch(standin, OPTIONS)
+    plan = switch.install(config())
+    writes = table_writes(standin)
+    assert len(writes) == len(plan.entries) + len(plan.defaults)
+    expected = {(f"add_with_{e.action}", f"thc_ina.{e.table}",
+                 tuple(sorted({**tp.key_kwargs(e.key), **e.data_dict}.items())))
+                for e in plan.entries}
+    got = {(m, p, tuple(sorted(kw.items()))) for m, p, kw in writes if m.startswith("add")}
+    assert got == expected
+    for e in plan.entries:                  # and the stand-in holds each as planned
+        raw = standin.table(f"thc_ina.{e.table}").get(**tp.key_kwargs(e.key),
+                                                     print_ents=False).raw()
+        assert raw["action"].endswith(e.action)
+        assert all(as_int(raw["data"][k]) == v for k, v in e.data)
+    default = standin.table(f"thc_ina.{tp.T_DROP_REPORTING}").get_default().raw()
+    assert default["data"] == {"enabled": 1}
+
+
+def test_job_entries_carry_the_job_description():
+    cfg = config()
+    plan = ThcInaSwitch(BfrtStandIn(), OPTIONS).install(cfg)
+    jobs = {e.key_dict["job"]: e.data_dict for e in plan.entries if e.table == tp.T_JOBS}
+    assert jobs[10] == {"counter_base": 0, "slot_base": 0, "pool_size": 8,
+                        "values_per_packet": 64, "nonmember_mask": 0xFFFFFFF0,
+                        "member_count": 4, "group": 1}
+    assert jobs[11]["slot_base"] == 8 and jobs[11]["counter_base"] == 16
+    assert jobs[11]["nonmember_mask"] == 0xFFFFFFF8 and jobs[11]["group"] == 2
+    keys = {tuple(sorted(e.key_dict.items())) for e in plan.entries if e.table == tp.T_MEMBERS}
+    assert (("ip", 0x0A000002), ("job", 10), ("mac", 0x020000000102), ("port", 1),
+            ("udp_port", 40001), ("worker", 1)) in keys
+    assert len(keys) == 7
+    lanes = [e for e in plan.entries if e.table == tp.lookup_table(17)]
+    assert len(lanes) == 2 * 256
+    for e in lanes:
+        b = e.key_dict["packed"]
+        assert e.data_dict == {"high_value": TABLE[b >> 4], "low_value": TABLE[b & 15]}
+    own = [e for e in plan.entries if e.table == tp.T_SWITCH_ADDRESS]
+    assert [e.key_dict for e in own] == [{"dst_addr": 0x0A0000FE}]
+
+
+def test_multicast_nodes_rid_is_the_worker_and_groups_follow_worker_order():
+    standin = BfrtStandIn()
+    plan = ThcInaSwitch(standin, tp.DeployOptions(port_map=((0, 128), (1, 136),
+                                                            (2, 144), (3, 152)))).install(
+        config(jobs=(job(),), routes=()))
+    nodes = {k[0][1]: e.raw()["data"] for k, e in standin.pre.node.entries.items()}
+    assert {n: (d["$MULTICAST_RID"], d["$DEV_PORT"]) for n, d in nodes.items()} == \
+        {1: (0, [128]), 2: (1, [136]), 3: (2, [144]), 4: (3, [152])}
+    (group,) = standin.pre.mgid.entries.values()
+    assert group.raw()["key"] == {"$MGID": 1}
+    assert group.raw()["data"]["$MULTICAST_NODE_ID"] == [1, 2, 3, 4]
+    assert [g.mgid for g in plan.groups] == [1]
+
+
+def test_traffic_manager_gets_strict_priority_capacity_and_colour_limits():
+    standin = BfrtStandIn()
+    cfg = config(dlcp=Dlcp(capacity=40))
+    plan = ThcInaSwitch(standin, OPTIONS).install(cfg)
+    cpp = plan.cells_per_packet
+    assert cpp == 2                          # a 64-value RESULT: 138 bytes, 80-byte cells
+    ports = tp.used_ports(cfg, OPTIONS)
+    assert set(ports) == {0, 1, 2, 3, 8, 9, 10, 20, 21, 30}
+    for port in ports:
+        raw = standin.tf1.tm.port.cfg.get(dev_port=port).raw()["data"]
+        for queue in range(8):
+            key = {"pg_id": raw["pg_id"], "pg_queue": raw["egress_qid_queues"][queue]}
+            sched = standin.tf1.tm.queue.sched_cfg.get(**key).raw()["data"]
+            assert sched["max_priority"] == sched["min_priority"] == str(queue)
+            buffer = standin.tf1.tm.queue.buffer.get(**key).raw()
+            assert buffer["action"] == "buffer_only"
+            assert buffer["data"]["guaranteed_cells"] == 40 * cpp
+            color = standin.tf1.tm.queue.color.get(**key).raw()["data"]
+            assert color["drop_enable"] is True
+            assert color["drop_limit_yellow"] == tp.yellow_limit(cfg.dlcp.thresholds[queue], 40)
+    pipe = standin.tf1.tm.pipe.cfg.get(pipe=0).raw()["data"]
+    report = standin.tf1.tm.port.cfg.get(dev_port=30).raw()["data"]
+    assert (pipe["mirror_drop_pg_id"], pipe["mirror_drop_pg_queue"]) == \
+        (report["pg_id"], report["egress_qid_queues"][0])
+    marks = {e.key_dict["queue"]: e.data_dict["mark_cells"]
+             for e in plan.entries if e.table == tp.T_QUEUE_THRESHOLDS}
+    assert marks == {q: k * cpp for q, k in enumerate(cfg.dlcp.thresholds)}
+    ports_up = {k[0][1]: e.raw()["data"] for k, e in standin.port.port.entries.items()}
+    assert set(ports_up) == set(ports)
+    assert all(d["$SPEED"] == "BF_SPEED_100G" and d["$PORT_ENABLE"] for d in ports_up.values())
+
+
+def test_yellow_limit_never_drops_a_packet_the_reference_keeps():
+    steps = [float(s.rstrip("%")) / 100 for s in tp.YELLOW_STEPS]
+    for capacity in range(1, 80):
+        for k in range(0, capacity + 3):
+            limit = steps[tp.YELLOW_STEPS.index(tp.yellow_limit(k, capacity))]
+            if k >= capacity:
+                assert limit == 1.0
+                continue
+            assert limit * capacity >= k + 1                 # never before the reference
+            smaller = [s for s in steps if s < limit]
+            assert not smaller or smaller[-1] * capacity < k + 1     # the tightest step
+
+
+# ---------------------------------------------------------------- idempotence and dry run
+def test_a_second_run_changes_nothing():
+    standin = BfrtStandIn()
+    cfg = config()
+    ThcInaSwitch(standin, OPTIONS).install(cfg)
+    before = len(standin.log)
+    again = ThcInaSwitch(standin, OPTIONS)
+    again.install(cfg)
+    assert len(standin.log) == before
+    assert again.writer.changes == []
+    assert again.summary() == f"wrote 0 entries, {again.writer.unchanged} already as planned"
+
+
+def test_a_drifted_entry_is_put_back_with_one_modify():
+    standin = BfrtStandIn()
+    cfg = config()
+    plan = ThcInaSwitch(standin, OPTIONS).install(cfg)
+    target = next(e for e in plan.entries if e.table == tp.lookup_table(3))
+    table = standin.table(f"thc_ina.{target.table}")
+    table.mod_with_set_lanes(**tp.key_kwargs(target.key), high_value=1, low_value=2)
+    n = len(standin.log)
+    again = ThcInaSwitch(standin, OPTIONS)
+    again.install(cfg)
+    assert [w[0] for w in standin.log[n:]] == ["mod_with_set_lanes"]
+    assert table.get(**tp.key_kwargs(target.key)).raw()["data"] == target.data_dict
+
+
+def test_dry_run_prints_every_write_and_writes_nothing():
+    standin = BfrtStandIn()
+    lines = []
+    switch = ThcInaSwitch(standin, OPTIONS, dry_run=True, out=lines.append)
+    plan = switch.install(config())
+    assert standin.log == []
+    writes = [line for line in lines if line.startswith("would ")]
+    assert len(writes) == len(switch.writer.changes)
+    n_tm = 3 * len(plan.queues) + 1
+    assert len(writes) == (len(plan.entries) + len(plan.defaults) + len(plan.nodes)
+                           + len(plan.groups) + len(plan.ports) + n_tm)
+    assert any(line.startswith("would add_with_set_job thc_ina.pipe.SwitchIngress."
+                               "job_membership.jobs job=10 ") for line in writes)
+    # on a switch that already serves the job, the dry run has nothing to print
+    ThcInaSwitch(standin, OPTIONS).install(config())
+    lines.clear()
+    quiet = ThcInaSwitch(standin, OPTIONS, dry_run=True, out=lines.append)
+    quiet.install(config())
+    assert lines == [] and quiet.summary().startswith("would write 0 entries")
+
+
+def test_offline_dry_run_plans_a_clean_switch():
+    lines = []
+    switch = ThcInaSwitch(None, OPTIONS, out=lines.append)
+    plan = switch.install(config())
+    assert switch.writer.dry_run and len(lines) == len(switch.writer.changes)
+    assert sum(1 for line in lines if "add_with_set_lanes" in line) == \
+        sum(1 for e in plan.entries if e.action == "set_lanes")
+    assert any("<queue 7 of dev_port 0>" in line for line in lines)
+
+
+# ---------------------------------------------------------------- refusals
+REFUSALS = [
+    ("too many jobs", dict(jobs=tuple(job(i, 1, 1) for i in range(tp.MAX_JOBS + 1))),
+     "at most 16"),
+    ("slot budget", dict(jobs=(job(1, 6000), job(2, 3000))), "has 8192 in all: lower pool_size"),
+    ("one pool over budget", dict(jobs=(job(1, 9000),)), "pool_size 9000"),
+    ("8-bit lanes overflow", dict(jobs=(job(1, 4, 9),)), "overflows the 8-bit result lanes"),
+    ("capacity past the queue depth", dict(dlcp=Dlcp(capacity=300000)),
+     "queue limit of 524287 cells"),
+]
+
+
+@pytest.mark.parametrize("what, kw, message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_a_job_the_program_cannot_hold_is_refused_before_any_write(what, kw, message):
+    standin = BfrtStandIn()
+    with pytest.raises(ConfigError, match=message):
+        ThcInaSwitch(standin, OPTIONS).install(SwitchConfig(**{"jobs": (job(),), **kw}))
+    assert standin.log == []
+
+
+@needs_v2
+def test_values_per_packet_over_the_program_limit_is_refused():
+    with pytest.raises(ConfigError, match="the Tofino program's limit of 64 values per "
+                                          "packet; lower values_per_packet"):
+        tp.plan_switch(SwitchConfig(jobs=(job(vpp=65),)))
+    with pytest.raises(ConfigError, match="give each worker its own udp_port"):
+        shared = (Member(0, 0, "02:00:00:00:01:01", "10.0.0.1", 40000),
+                  Member(1, 1, "02:00:00:00:01:02", "10.0.0.1", 40000))
+        tp.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, shared, 64),)))
+
+
+def test_members_split_over_pipes_and_bad_ports_are_refused():
+    with pytest.raises(ConfigError, match="members on pipes \\[0, 1\\].*ports of one pipe"):
+        tp.plan_switch(config(jobs=(job(),)), tp.DeployOptions(port_map=((3, 130),)))
+    with pytest.raises(ConfigError, match="dev_port 600 is not a device port"):
+        tp.plan_switch(config(jobs=(job(),)), tp.DeployOptions(port_map=((0, 600),)))
+
+
+def test_the_stand_in_refuses_what_bfrt_python_refuses():
+    standin = BfrtStandIn()
+    jobs = standin.thc_ina.pipe.SwitchIngress.job_membership.jobs
+    with pytest.raises(StandInError, match="no parameters"):
+        jobs.add_with_set_job(job=1, counter_base=0, slot_base=0, pool_size=1,
+                              values_per_packet=1, nonmember_mask=0, member_count=1, group=1,
+                              colour=3)
+    with pytest.raises(StandInError, match="does not fit 13 bits"):
+        jobs.add_with_set_job(job=1, counter_base=0, slot_base=1 << 13, pool_size=1,
+                              values_per_packet=1, nonmember_mask=0, member_count=1, group=1)
+    with pytest.raises(AttributeError):
+        jobs.add_with_unknown_job(job=1)        # @defaultonly: no add method
+    with pytest.raises(AttributeError):
+        standin.thc_ina.pipe.SwitchIngress.job_membership.no_such_table
+
+
+# ---------------------------------------------------------------- counters
+def test_counters_are_read_under_the_protocols_names():
+    standin = BfrtStandIn()
+    switch = ThcInaSwitch(standin, OPTIONS)
+    plan = switch.install(config())
+    base11 = plan.layouts[11].counter_base
+    standin.counters[tp.C_JOB].update({base11 + tp.JOB_CELLS["pending"]: 5,
+                                       base11 + tp.JOB_CELLS["complete"]: 2,
+                                       base11 + tp.JOB_CELLS["duplicate"]: 1,
+                                       base11 + tp.JOB_CELLS["flush"]: 3})
+    standin.counters[tp.C_GLOBAL][tp.GLOBAL_CELLS["drop_fragment"]] = 4
+    standin.counters[tp.C_DLCP][tp.DLCP_CELLS["dlcp_selective_drop"]] = 6
+    out = switch.counters(plan)
+    assert set(out["jobs"][10]) == set(ref.JOB_COUNTERS) | {"drop_unsatisfiable"}
+    assert set(out["global"]) == set(ref.GLOBAL_COUNTERS) | {"drop_fragment"}
+    j = out["jobs"][11]
+    assert (j["rx"], j["aggregated"], j["results_multicast"], j["drop_duplicate"],
+            j["flushes"]) == (11, 7, 2, 1, 3)
+    assert out["global"]["drop_fragment"] == 4 and out["global"]["dlcp_selective_drop"] == 6
+    assert all(v == 0 for v in out["jobs"][10].values())
+    blind = ThcInaSwitch(standin, tp.DeployOptions())
+    unreported = blind.counters(blind.plan(config()))
+    assert unreported["global"]["dlcp_selective_drop"] is None
+    assert unreported["global"]["dlcp_ce_marked"] == 0
+
+
+# ---------------------------------------------------------------- the scripts as run
+def test_setup_script_runs_as_bfshell_runs_it(tmp_path, monkeypatch):
+    """bfshell -b executes the file with `bfrt` in its globals and no arguments."""
+    job_file = deploy.write_job_file(tmp_path / "job.json", config(), OPTIONS, "install")
+    monkeypatch.setenv("THC_INA_BFRT_JOB", str(job_file))
+    standin = BfrtStandIn()
+    source = Path(setup_switch.__file__).read_text()
+    exec(compile(source, setup_switch.__file__, "exec"), {"bfrt": standin, "__name__": "bfrt"})
+    status = json.loads(deploy.status_file(job_file).read_text())
+    assert status["status"] == "ok" and len(table_writes(standin)) > 16000
+    assert setup_switch.main(standin, str(job_file), out=lambda *_: None) == 0
+    assert json.loads(deploy.status_file(job_file).read_text())["message"].startswith(
+        "wrote 0 entries")
+
+
+def test_setup_script_reports_a_refusal(tmp_path):
+    bad = SwitchConfig(jobs=(job(1, 4, 9),))            # 9 x 30 overflows the lanes
+    job_file = deploy.write_job_file(tmp_path / "job.json", bad, OPTIONS, "install")
+    lines = []
+    assert setup_switch.main(BfrtStandIn(), str(job_file), out=lines.append) == 2
+    assert "overflows" in lines[-1]
+    assert json.loads(deploy.status_file(job_file).read_text())["status"] == "error"
+
+
+def test_deploy_refuses_plans_and_dry_runs_without_an_sde(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SDE", raising=False)
+    good = config().save(tmp_path / "good.json")
+    assert deploy.main(["--config", str(good), "--plan"]) == 0
+    assert "  2048  pipe.SwitchIngress.validation.expected_bits_high" in capsys.readouterr().out
+    assert deploy.main(["--config", str(good), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would add_with_member thc_ina.pipe.SwitchIngress.job_membership.members" in out
+    bad = SwitchConfig(jobs=(job(1, 9000),)).save(tmp_path / "bad.json")
+    assert deploy.main(["--config", str(bad), "--plan"]) == 2
+    assert "pool_size 9000 must be in 1..8192" in capsys.readouterr().err
+    job_file = tmp_path / "job.json"
+    assert deploy.main(["--config", str(good), "--write-only", "--job-file", str(job_file),
+                        "--port-map", "8=16,9=17"]) == 0
+    assert "run_bfshell.sh -b" in capsys.readouterr().out
+    spec = json.loads(job_file.read_text())
+    assert spec["options"]["port_map"] == {"8": 16, "9": 17} and spec["mode"] == "install"
+    assert deploy.main(["--config", str(good), "--job-file", str(job_file)]) == 2
+    assert "no SDE" in capsys.readouterr().err
+
+
+FAKE_BFSHELL = """#!{python}
+# A stand-in for run_bfshell.sh -b: runs the script with a recording bfrt stand-in.
+import os, sys
+sys.path.insert(0, {root!r})
+from tests.tofino.bfrt_standin import BfrtStandIn
+assert sys.argv[1] == "-b"
+bfrt = BfrtStandIn()
+exec(compile(open(sys.argv[2]).read(), sys.argv[2], "exec"), {{"bfrt": bfrt}})
+print("stand-in writes:", len(bfrt.log))
+"""
+
+
+def test_deploy_runs_the_script_through_bfshell(tmp_path):
+    runner = tmp_path / "run_bfshell.sh"
+    runner.write_text(FAKE_BFSHELL.format(python=sys.executable, root=str(deploy.REPO_ROOT)))
+    runner.chmod(0o755)
+    good = config().save(tmp_path / "good.json")
+    job_file = tmp_path / "job.json"
+    env = dict(os.environ, SDE=str(tmp_path), PYTHONPATH=str(deploy.REPO_ROOT))
+    run = subprocess.run([sys.executable, "-m", "bfrt_scripts.deploy", "--config", str(good),
+                          "--job-file", str(job_file), "--counters"],
+                         capture_output=True, text=True, cwd=deploy.REPO_ROOT, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    counters = json.loads(job_file.with_suffix(".counters.json").read_text())
+    text = job_file.with_suffix(".counters.json").read_text().rstrip()
+    assert run.stdout.rstrip().endswith(text)           # deploy prints them last
+    assert counters["jobs"]["10"]["rx"] == 0 and "drop_fragment" in counters["global"]
+    bad = SwitchConfig(jobs=(job(1, 4, 9),)).save(tmp_path / "bad.json")
+    run = subprocess.run([sys.executable, "-m", "bfrt_scripts.deploy", "--config", str(bad),
+                          "--job-file", str(job_file)],
+                         capture_output=True, text=True, cwd=deploy.REPO_ROOT, env=env,
+                         timeout=300)
+    assert run.returncode == 2 and "overflows" in run.stderr
+
+
+def test_writer_reports_a_refused_write():
+    class Refusing:
+        class thc_ina:
+            class pipe:
+                class SwitchIngress:
+                    class job_membership:
+                        class jobs:
+                            @staticmethod
+                            def get(**_):
+                                return -1
+
+                            @staticmethod
+                            def add_with_set_job(**_):
+                                raise RuntimeError("table full")
+
+    writer = BfrtWriter(Refusing, "thc_ina")
+    entry = tp.TableEntry(tp.T_JOBS, (("job", 1),), "set_job", (("group", 1),))
+    with pytest.raises(Exception, match="add_with_set_job on thc_ina.pipe.SwitchIngress."
+                                        "job_membership.jobs .*table full"):
+        writer.ensure_entry(entry)

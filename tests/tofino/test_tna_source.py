@@ -1,0 +1,391 @@
+"""The TNA program (p4src/tna) against Tofino's per-pass rules, the protocol and the
+control plane, read from the preprocessed source (tna_source.py).
+
+Where a Tofino compiler is installed (bf-p4c, or p4c with the p4c-barefoot back end) the
+last test compiles the program and it must compile; elsewhere it skips with the reason."""
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+
+from bfrt_scripts import tofino_plan as tp
+from dataplane import config as dc
+from dataplane import reference as ref
+from dataplane.config import Job, Member, Route, SwitchConfig
+from host.packets import HEADER_DTYPE
+from tests.tofino import tna_source as ts
+
+TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
+# Counter names of protocol v2 (protocol.md 4.5 plus rules R3 and R4).
+V2_JOB_COUNTERS = set(ref.JOB_COUNTERS) | {"drop_unsatisfiable"}
+V2_GLOBAL_COUNTERS = set(ref.GLOBAL_COUNTERS) | {"drop_fragment"}
+
+
+@pytest.fixture(scope="module")
+def controls():
+    try:
+        return ts.program()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def job_with(job_id, pool, members, vpp=tp.TOFINO_MAX_VALUES) -> Job:
+    try:
+        return Job(job_id, pool, TABLE, members, vpp)
+    except TypeError:           # dataplane.config before protocol v2: no values_per_packet
+        return Job(job_id, pool, TABLE, members)
+
+
+def full_config() -> SwitchConfig:
+    members = tuple(Member(w, w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.0.{w + 1}", 40000 + w)
+                    for w in range(3))
+    return SwitchConfig(jobs=(job_with(1, 8, members), job_with(2, 4, members[:2])),
+                        routes=(Route("10.9.0.0/16", 1, "02:00:00:00:09:09",
+                                      extra_hops=((2, "02:00:00:00:09:0a"),)),)).validate()
+
+
+# ---------------------------------------------------------------- Tofino's per-pass rules
+@pytest.mark.parametrize("top", ts.TOP_CONTROLS)
+def test_each_table_register_and_counter_at_most_once_per_pass(controls, top):
+    uses = ts.pass_uses(controls, top)
+    over = {name: n for name, n in uses.items() if not name.startswith("action") and n > 1}
+    assert not over, f"used more than once in one pass: {over}"
+
+
+def test_every_register_is_reached_and_every_register_action_runs_somewhere(controls):
+    uses = {**ts.pass_uses(controls, "SwitchIngress"), **ts.pass_uses(controls, "SwitchEgress")}
+    registers = ts.bfrt_externs(controls, "registers")
+    assert len(registers) >= 26           # 10 slot-state registers, 16 sum words, route turns
+    for path in registers:
+        assert uses.get(f"register {path}") == 1, path
+    for ctl in controls.values():
+        for action, register in ctl.register_actions.items():
+            assert register in ctl.registers, (ctl.name, action)
+            assert len(re.findall(rf"\b{action}\.execute\(", ctl.body)) == 1, action
+    reached = {name.split()[1].rsplit(".", 1)[1] for name in uses if name.startswith("action")}
+    declared = {a for ctl in controls.values() for a in ctl.register_actions}
+    assert declared <= reached, declared - reached
+
+
+def test_each_action_runs_at_most_one_stateful_alu(controls):
+    """A table's action executes its stateful ALUs in the table's stage (4 per stage): one
+    RegisterAction per action leaves the compiler free to place each register."""
+    for ctl in controls.values():
+        for name, (_, body) in ctl.actions.items():
+            assert len(re.findall(r"\.execute\(", body)) <= 1, (ctl.name, name)
+
+
+def test_each_stateful_action_has_one_call_site(controls):
+    """Two call sites of an action that runs a register would be two tables competing for
+    that register's one stateful ALU."""
+    for ctl in controls.values():
+        for name, (_, body) in ctl.actions.items():
+            if ".execute(" in body:
+                calls = len(re.findall(rf"\b{name}\s*\(", ctl.apply))
+                in_tables = sum(name in t.actions for t in ctl.tables.values())
+                assert calls + in_tables == 1, (ctl.name, name, calls, in_tables)
+
+
+def test_each_table_has_one_apply_site(controls):
+    for ctl in controls.values():
+        for table in ctl.tables:
+            assert len(re.findall(rf"\b{table}\.apply\(", ctl.body)) == 1, (ctl.name, table)
+
+
+def test_the_pass_walk_sees_a_second_execution(controls):
+    """The walker must catch what the rules forbid, or the tests above prove nothing."""
+    text = """
+    control Bad(inout headers_t hdr) {
+        Register<bit<32>, bit<8>>(16) cells;
+        RegisterAction<bit<32>, bit<8>, bit<32>>(cells) bump = {
+            void apply(inout bit<32> v) { v = v + 1; } };
+        RegisterAction<bit<32>, bit<8>, bit<32>>(cells) clear = {
+            void apply(inout bit<32> v) { v = 0; } };
+        action do_bump() { bump.execute(0); }
+        action do_clear() { clear.execute(0); }
+        table t { key = { hdr.x : exact; } actions = { do_bump; do_clear; } }
+        apply {
+            if (hdr.y == 1) { do_bump(); } else { do_clear(); }
+            %s
+        }
+    }"""
+    exclusive = ts.parse_controls(text % "")
+    assert ts.pass_uses(exclusive, "Bad")["register pipe.Bad.cells"] == 1
+    twice = ts.parse_controls(text % "t.apply();")
+    assert ts.pass_uses(twice, "Bad")["register pipe.Bad.cells"] == 2
+    applied_twice = ts.parse_controls(text % "t.apply(); if (hdr.z == 0) { t.apply(); }")
+    assert ts.pass_uses(applied_twice, "Bad")["table pipe.Bad.t"] == 2
+
+
+def test_register_actions_stay_within_one_stateful_alu(controls):
+    """Tofino 1: two comparisons and one 32-bit result per RegisterAction, a 32-bit cell
+    or a pair of cells. Counted from the source: conditions (if) and outputs."""
+    checked = 0
+    for ctl in controls.values():
+        for m in re.finditer(r"RegisterAction<(.*?)>\s*\((\w+)\)\s+(\w+)\s*=\s*\{", ctl.body):
+            checked += 1
+            body, _ = ts.block_after(ctl.body, m.end() - 1)
+            ifs = re.findall(r"\bif\s*\(([^{]*)\)\s*\{", body)
+            comparisons = sum(len(re.findall(r"==|!=|>=|<=|>|<", re.sub(r"\b(?:int|bit)<\d+>",
+                                                                       "", c))) for c in ifs)
+            assert comparisons <= 2, (m.group(3), ifs)
+            out = re.search(r"\bout\s+([\w<>]+)\s+(\w+)\)", body)
+            if out:
+                assert int(re.search(r"\d+", out.group(1)).group()) <= 32, m.group(3)
+            value_type = ctl.registers[m.group(2)].split(",")[0].strip()
+            width = re.fullmatch(r"bit<(\d+)>", value_type)
+            assert (int(width.group(1)) if width else PAIRS[value_type]) <= 32, value_type
+    assert checked == sum(len(c.register_actions) for c in controls.values())
+
+
+PAIRS = {"occupancy_t": 8}      # register cells made of two fields: the field width
+
+# ---------------------------------------------------------------- the control plane fits
+def key_params(table: ts.Table) -> set[str]:
+    names = set()
+    for name, kind in table.keys:
+        names |= {"ternary": {name, f"{name}_mask"}, "lpm": {name, f"{name}_p_length"},
+                  "range": {f"{name}_start", f"{name}_end"}}.get(kind, {name})
+    if any(kind in ("ternary", "range") for _, kind in table.keys):
+        names.add("MATCH_PRIORITY")
+    return names
+
+
+def test_every_planned_entry_fits_the_program(controls):
+    known = ts.bfrt_tables(controls)
+    plan = tp.plan_switch(full_config(), tp.DeployOptions(drop_report_port=5))
+    assert {e.table for e in plan.entries} <= set(known)
+    for e in plan.entries:
+        table, ctl = known[e.table]
+        assert set(tp.key_kwargs(e.key)) == key_params(table), e.table
+        assert e.action in table.actions and e.action not in table.default_only, e
+        params = ctl.actions[e.action][0]
+        assert [p.name for p in params] == [name for name, _ in e.data], e.action
+        for p, (_, value) in zip(params, e.data):
+            assert 0 <= value < 1 << p.width, (e.table, p.name, value)
+        assert not table.has_const_entries, e.table
+    for d in plan.defaults:
+        table, ctl = known[d.table]
+        assert not table.keys and d.action in table.actions
+        assert [p.name for p in ctl.actions[d.action][0]] == [n for n, _ in d.data]
+    # every table the control plane owns gets entries; the others are constant
+    planned = {e.table for e in plan.entries} | {d.table for d in plan.defaults}
+    for path, (table, _) in known.items():
+        assert path in planned or table.has_const_entries, f"{path}: nothing installs it"
+
+
+def test_table_sizes_hold_the_largest_plan(controls):
+    known = ts.bfrt_tables(controls)
+    members = tuple(Member(w, w, f"02:00:00:00:02:{w:02x}", f"10.1.0.{w + 1}", 41000 + w)
+                    for w in range(8))
+    jobs = tuple(job_with(100 + i, tp.SLOT_BUDGET // tp.MAX_JOBS, members)
+                 for i in range(tp.MAX_JOBS))
+    plan = tp.plan_switch(SwitchConfig(jobs=jobs))
+    for table, entries in plan.tables().items():
+        assert len(entries) <= known[table][0].size, table
+
+
+def test_counters_the_readout_reads_exist(controls):
+    counters = ts.bfrt_externs(controls, "counters")
+    assert ts.eval_int(counters[tp.C_JOB]) == tp.MAX_JOBS * tp.JOB_COUNTER_STRIDE
+    assert ts.eval_int(counters[tp.C_GLOBAL]) == tp.GLOBAL_COUNTER_CELLS_SIZE
+    assert ts.eval_int(counters[tp.C_DLCP]) > max(tp.DLCP_CELLS.values())
+
+
+def test_counter_cells_and_names_agree_with_the_protocol():
+    text = (ts.P4_DIR / "counters.p4").read_text()
+    consts = {m.group(1): int(m.group(2)) for m in
+              re.finditer(r"const bit<\d+>\s+(\w+)\s*=\s*(\d+);", text)}
+    for name, cell in tp.JOB_CELLS.items():
+        assert consts[f"JC_{name.upper()}"] == cell
+    for name, cell in tp.GLOBAL_CELLS.items():
+        assert consts[f"GC_{name.upper()}"] == cell
+    for name, cell in tp.DLCP_CELLS.items():
+        assert consts[f"DC_{name.upper().removeprefix('DLCP_')}"] == cell
+    assert set(tp.JOB_NAMES) == V2_JOB_COUNTERS
+    assert set(tp.GLOBAL_CELLS) | set(tp.DLCP_CELLS) == V2_GLOBAL_COUNTERS
+    assert max(tp.JOB_CELLS.values()) < tp.JOB_COUNTER_STRIDE
+    assert max(tp.GLOBAL_CELLS.values()) < tp.GLOBAL_COUNTER_CELLS_SIZE
+
+
+def test_limits_agree_with_the_plan():
+    text = "".join((ts.P4_DIR / f).read_text() for f in ("headers.p4", "counters.p4"))
+    d = {m.group(1): int(m.group(2)) for m in re.finditer(r"#define\s+(\w+)\s+(\d+)", text)}
+    assert d["MAX_VALUES"] == tp.TOFINO_MAX_VALUES >= 64
+    assert d["INDEX_BYTES"] * 2 == d["SUM_WORDS"] * 4 == d["MAX_VALUES"]
+    assert (d["MAX_JOBS"], d["SLOT_BUDGET"], d["JOB_COUNTER_STRIDE"]) == \
+        (tp.MAX_JOBS, tp.SLOT_BUDGET, tp.JOB_COUNTER_STRIDE)
+    assert d["SLOT_COPIES"] == 2 * d["SLOT_BUDGET"]
+    assert (d["MAX_ROUTES"], d["MAX_NEXT_HOP_SLOTS"]) == (tp.MAX_ROUTES, tp.NEXT_HOP_SLOTS)
+    widths = {m.group(2): int(m.group(1))
+              for m in re.finditer(r"typedef bit<(\d+)>\s+(\w+);", text)}
+    assert 1 << widths["slot_index_t"] == d["SLOT_BUDGET"]
+    assert 1 << widths["copy_index_t"] == d["SLOT_COPIES"]
+    assert 1 << widths["route_index_t"] == d["MAX_ROUTES"]
+    assert 1 << widths["next_hop_index_t"] == d["MAX_NEXT_HOP_SLOTS"]
+    assert ts.TYPE_WIDTHS["slot_index_t"] == widths["slot_index_t"]
+    # popcount(expected): the planner's chunks are the key slices of validation.p4
+    slices = re.findall(r"hdr\.agg\.expected\[(\d+):(\d+)\]\s*: exact",
+                        (ts.P4_DIR / "validation.p4").read_text())
+    assert [(int(lo), int(hi) - int(lo) + 1) for hi, lo in slices] == \
+        [(shift, width) for shift, width, _ in tp.EXPECTED_CHUNKS]
+    assert sum(width for _, width, _ in tp.EXPECTED_CHUNKS) == 32
+
+
+# ---------------------------------------------------------------- the protocol is all there
+def test_agg_header_matches_the_wire_format(controls):
+    text = ts.preprocess()
+    body, _ = ts.block_after(text, text.index("header agg_t"))
+    fields = re.findall(r"bit<(\d+)>\s+(\w+)\s*;", body)
+    assert sum(int(w) for w, _ in fields) == 8 * HEADER_DTYPE.itemsize
+    names = [n for _, n in fields]
+    assert names[:2] == ["version", "pkt_type"]
+    assert names[2:] == [n for n in HEADER_DTYPE.names if n != "ver_type"]
+    version = re.search(r"AGG_VERSION\s*=\s*(\d+);", text)
+    assert int(version.group(1)) == 2
+    assert dc.PROTOCOL_VERSION in (1, 2)        # v2 once protocol v2 lands in dataplane
+
+
+FEATURES = {
+    "R4 fragments dropped before anything else": [r"meta\.is_fragment == 1",
+                                                  r"drop_global\(GC_DROP_FRAGMENT\)"],
+    "R2 members bound to port and addresses": [r'ingress_port\s*: exact @name\("port"\)',
+                                               r'src_addr\s*: exact @name\("mac"\)',
+                                               r'src_port\s*: exact @name\("udp_port"\)'],
+    "R3 unsatisfiable slots": [r"drop_job\(JC_DROP_UNSATISFIABLE\)", r"stray_workers != 0",
+                               r"too_few_expected == 1", r"members_gap\[15:15\] == 1"],
+    "R7 per-job values_per_packet": [r"values_gap\[31:31\] == 1"],
+    "R1 serial round arithmetic": [r"\(int<32>\)\(hdr\.agg\.round - round\) > 0",
+                                   r"round_distance\[31:31\] == 0"],
+    "R5 incremental checksum": [r"control CeChecksumUpdate", r"ce_checksum\.apply"],
+    "two copies by round parity": [r"hdr\.agg\.round\[0:0\] \+\+ meta\.slot_index"],
+    "FLUSH empties both copies": [r"cell\.copy0 = 0;\s*cell\.copy1 = 0;"],
+    "RESULT multicast through the TM": [r"ig_tm_md\.mcast_grp_a = meta\.group",
+                                        r"eg_intr_md\.egress_rid"],
+    "unicast re-serve and STRAGGLER": [r"OUTCOME_RESERVE", r"TYPE_STRAGGLER",
+                                       r"FLAG_RESERVE \| FLAG_LATE"],
+    "completion by expected set or min_count": [r"meta\.target = meta\.expected_size",
+                                                r"meta\.target = hdr\.agg\.min_count"],
+    "DLCP queue, colour, deflection, CE": [r"ig_tm_md\.qid", r"ig_tm_md\.packet_color",
+                                           r"ig_tm_md\.deflect_on_drop",
+                                           r"eg_intr_md\.enq_qdepth", r"hdr\.ipv4\.ecn = 3"],
+    "per-packet spraying": [r"take_turn\.execute"],
+    "lanes added four to a 32-bit cell": [r"cell = cell \+ values;"],
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_protocol_feature_is_in_the_program(controls, feature):
+    text = ts.preprocess()
+    for pattern in FEATURES[feature]:
+        assert re.search(pattern, text), (feature, pattern)
+
+
+def test_validation_order_follows_the_protocol(controls):
+    order = ["GC_DROP_FRAGMENT", "GC_DROP_TRUNCATED", "GC_DROP_BAD_VERSION", "GC_DROP_BAD_TYPE",
+             "GC_DROP_BAD_LENGTH", "GC_DROP_UNKNOWN_JOB", "GC_DROP_BAD_LENGTH",
+             "JC_DROP_BAD_SLOT", "JC_DROP_NOT_MEMBER", "JC_DROP_BAD_EXPECTED",
+             "JC_DROP_UNSATISFIABLE"]
+    apply = controls["SwitchIngress"].apply
+    found = re.findall(r"drop_(?:global|job)\((\w+)\)", apply)
+    assert [c for c in found if c in order][:len(order)] == order
+
+
+# ---------------------------------------------------------------- arithmetic of the program
+def test_four_lanes_in_one_32_bit_add_match_the_reference():
+    """lookup.p4 pairs -> SumWord operands (p2k ++ p2k+1) -> plain 32-bit adds: with
+    n * max(T) <= 255 no lane carries, and the bytes are the reference's RESULT."""
+    rng = np.random.default_rng(5)
+    members = tuple(Member(w, w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.0.{w + 1}", 40000 + w)
+                    for w in range(8))                  # 8 x 30 = 240 <= 255
+    cfg = SwitchConfig(jobs=(job_with(3, 2, members),)).validate()
+    plan = tp.plan_switch(cfg)
+    pairs = {(int(e.table.split(".")[-2][7:]), e.key_dict["packed"]):
+             e.data_dict["high_value"] << 8 | e.data_dict["low_value"]
+             for e in plan.entries if e.table.endswith("byte_to_lanes")}
+    num_values = 63                                     # odd: the padding nibble is masked
+    words = [0] * tp.SUM_WORDS
+    switch = ref.ReferenceSwitch(cfg)
+    results = []
+    for m in members:
+        idx = rng.integers(0, 16, num_values + 1).astype(np.uint8)
+        idx[-1] = 15                                    # a misbehaving padding nibble
+        payload = bytes((idx[0::2] << 4) | idx[1::2])
+        lanes = [pairs[k, payload[k]] & (0xFF00 if num_values == 2 * k + 1 else 0xFFFF)
+                 for k in range(len(payload))] + [0] * (tp.INDEX_BYTES - len(payload))
+        words = [(w + (lanes[2 * k] << 16 | lanes[2 * k + 1])) & 0xFFFFFFFF
+                 for k, w in enumerate(words)]
+        header = struct_pack_data(ref.PROTOCOL_VERSION, 3, m.worker, sum(1 << w for w in
+                                  range(8)), num_values)
+        data = header + payload
+        results += switch.handle_agg(m.port, data, len(data), True, 0)
+    assert len(results) == 8
+    got = b"".join(w.to_bytes(4, "big") for w in words)[:num_values]
+    assert {bytes(r.agg[32:]) for r in results} == {got}
+
+
+def struct_pack_data(version, job, worker, expected, num_values) -> bytes:
+    return struct.pack(">BBHHBBIIIIIHBB", version << 4, 0, job, 0, worker, 0, 0, expected, 0,
+                       0, 0, num_values, 0, 0)
+
+
+def test_ce_checksum_reduction_is_rfc1624_eqn3():
+    """checksums.p4: for ECT -> CE, ~(~HC + ~m + m') == HC - d (+0xFFFF on a borrow)."""
+    def fold(s):
+        while s >> 16:
+            s = (s & 0xFFFF) + (s >> 16)
+        return s
+
+    hc = np.arange(1 << 16)
+    for m in (0x4501, 0x4502, 0x45B9, 0x45BA, 0x4F01, 0x4602):
+        mp = m | 3
+        delta = 3 - (m & 3)
+        eqn3 = np.array([~fold((~h & 0xFFFF) + (~m & 0xFFFF) + mp) & 0xFFFF for h in hc])
+        step = hc - delta
+        tofino = np.where(step < 0, (step & 0xFFFF) + 0xFFFF, step) & 0xFFFF
+        assert (eqn3 == tofino).all(), hex(m)
+
+
+def test_result_words_and_egress_tail_keep_exactly_num_values_bytes():
+    """BuildAggReply emits ceil(nv / 4) words (WORD_VALID: nv > 4k); the egress parser keeps
+    nv >> 2 of them, a tail of nv & 3 bytes, and skips the rest of the last word."""
+    text = (ts.P4_DIR / "parser.p4").read_text() + (ts.P4_DIR / "aggregation.p4").read_text()
+    advance = {int(n): int(bits) for n, bits in
+               re.findall(r"state parse_tail(\d+) \{\s*pkt\.extract\(hdr\.tail\d+\);\s*"
+                          r"pkt\.advance\((\d+)\);", text)}
+    assert advance == {8: 24, 16: 16, 24: 8}
+    assert re.search(r"WORD_VALID\(k\) if \(hdr\.agg\.num_values > 4 \* k\)", text)
+    for nv in range(1, tp.TOFINO_MAX_VALUES + 1):
+        emitted_words = sum(1 for k in range(tp.SUM_WORDS) if nv > 4 * k)
+        kept_words, tail = nv >> 2, nv & 3
+        skipped = advance[8 * tail] // 8 if tail else 0
+        assert 4 * kept_words + tail == nv
+        assert 4 * kept_words + tail + skipped == 4 * emitted_words
+
+
+# ---------------------------------------------------------------- the real compiler
+def tofino_compiler() -> list[str] | None:
+    for name in ("bf-p4c", "p4c-barefoot"):
+        if shutil.which(name):
+            return [name, "--target", "tofino", "--arch", "tna"]
+    p4c = shutil.which("p4c")
+    if p4c and shutil.which("p4c-barefoot"):
+        return [p4c, "--target", "tofino", "--arch", "tna"]
+    return None
+
+
+@pytest.mark.timeout(1800)             # a Tofino compile takes minutes
+def test_the_program_compiles_for_tofino(tmp_path):
+    command = tofino_compiler()
+    if command is None:
+        pytest.skip("no Tofino compiler on PATH (bf-p4c, or p4c with its p4c-barefoot back "
+                    "end); the CEO side compiles p4src/tna/thc_ina.p4 with the open-source "
+                    "Tofino back end")
+    out = subprocess.run(command + ["-o", str(tmp_path), str(ts.P4_MAIN)],
+                         capture_output=True, text=True, timeout=1700)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
