@@ -2,15 +2,21 @@
 
 One call (notes/thc.md §3, DESIGN.md §3), for each pipeline chunk k of the tensor:
 
-  x_k = grad_k + e_k                           error feedback (in place, per chunk)
+  x_k = RHT(grad_k) + e_k, norms_k             error feedback in the rotated domain, fused
+                                               into the RHT, which also gives the norms
   control exchange (all_reduce MAX, 2W+4 floats, with chunk 0's norms) sizes agree? any
                                                NaN/Inf? -> clear error on every worker at
                                                once, before anything is sent, never a hang
-  norms_k: all_reduce MAX, overlapped with the RHT of x_k  (one float per partition)
-  packed_k = quantize(RHT(x_k), max norms_k)   4-bit indices, counter-based RNG
+  norms_k: all_reduce MAX, overlapped with chunk k-1's quantization and chunk k+1's RHT
+  packed_k = quantize(x_k, max norms_k),       4-bit indices, counter-based RNG; the new
+  e_k = x_k - own quantized values_k           error in the same pass (no inverse RHT)
   sums_k, counts_k = exchange(packed_k)        integer sums of table values
-  mean_k = decode(sums_k, counts_k, norms_k)   m + (Y/count)(M-m)/g, inverse RHT
-  e_k = x_k - own decoded_k                    error feedback update
+  mean_k = decode(sums_k, counts_k, norms_k)   m + (Y/count)(M-m)/g, inverse RHT, written
+                                               straight into the output
+
+error_domain="gradient" keeps the paper's order instead: x_k = grad_k + e_k, its norms
+exchanged while the RHT runs, and e_k = x_k - RHT^-1(own quantized values) after the
+decode (a second inverse RHT and two more passes per call; docs/perf.md measures both).
 
 Pipelining: a large tensor is cut into chunks of whole RHT partitions (`pipeline_values`
 padded values, a multiple of the partition size and of the packet size); chunk k+1 is
@@ -290,18 +296,24 @@ class THCAllreduce:
     control and norm exchanges (None: a group of its own over every rank, made at the
     first call, so the exchange thread's collectives never interleave with the training
     thread's); pipeline_values: padded values per pipeline chunk (rounded up to whole
-    partitions and packets; 0: the whole tensor at once). Every worker must use the
-    same codec and pipeline_values (the control exchange checks the latter).
+    partitions and packets; 0: the whole tensor at once); error_domain: "rotated" (error
+    feedback kept after the RHT: one inverse RHT per call) or "gradient" (the paper's).
+    Every worker must use the same codec, pipeline_values and error_domain (the control
+    exchange checks pipeline_values).
     """
 
     def __init__(self, codec, exchange, *, group=None, error_feedback: bool = True,
-                 start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES):
+                 start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES,
+                 error_domain: str = "rotated"):
         if not dist.is_initialized():
             raise RuntimeError("THCAllreduce needs torch.distributed initialized "
                                "(dist.init_process_group) for the norm exchange")
         if pipeline_values < 0:
             raise ValueError(f"pipeline_values must be >= 0 (0: no pipelining), got "
                              f"{pipeline_values}")
+        if error_domain not in ("rotated", "gradient"):
+            raise ValueError(f"error_domain must be 'rotated' or 'gradient', got "
+                             f"{error_domain!r}")
         self.codec = codec
         self.exchange = exchange
         self.group = group
@@ -310,7 +322,8 @@ class THCAllreduce:
         self.world = dist.get_world_size(group)
         if exchange.name == "aggregator":
             thc.check_lanes(self.world, int(np.max(codec.table)))   # the switch's 8-bit lanes
-        self.error_feedback = ChunkedErrorFeedback() if error_feedback else None
+        self.error_feedback = ChunkedErrorFeedback(rotated=error_domain == "rotated") \
+            if error_feedback else None
         self.pipeline_values = int(pipeline_values)
         self.calls: dict[int, int] = {}        # per tensor key: rounds of the RNG
         self.verified_sizes: dict[int, int] = {}   # per tensor key: size all workers agreed
@@ -385,6 +398,10 @@ class THCAllreduce:
         finite = good_dtype and _all_finite(flat)
         local = (d, finite, good_dtype, key, flat.device, tensor.dtype)
         ranges = self.chunk_ranges(d)
+        padded = np.cumsum([0] + [self.codec.padded_length(hi - lo) for lo, hi in ranges])
+        ranges = [(lo, hi, int(plo), int(phi))           # and each chunk's padded range
+                  for (lo, hi), plo, phi in zip(ranges, padded[:-1], padded[1:])]
+        padded_total = int(padded[-1])
         first = None
         if key in self.verified_sizes:
             # Every worker verified this tensor's size before, so all agree on the length
@@ -397,7 +414,6 @@ class THCAllreduce:
         rnd = self.calls.get(key, 0)
         self.calls[key] = rnd + 1
         mean = torch.empty(d, dtype=torch.float32, device=flat.device)
-        padded_total = sum(self.codec.padded_length(hi - lo) for lo, hi in ranges)
         stream = self.exchange.open(padded_total, key, layer=layer, num_layers=num_layers,
                                     background=len(ranges) > 1)
         try:
@@ -426,13 +442,13 @@ class THCAllreduce:
         PREPARE_AHEAD ahead of the one being quantized, quantized while earlier ones are on
         the wire, and decoded in order as their sums come in."""
         prepared, in_flight = [], []              # prepared, not sent / sent, not decoded
-        padded_lo, upcoming = 0, 0
+        upcoming = 0
         if first is not None:
             prepared.append(first)
             upcoming = 1
         for k in range(len(ranges)):
             while upcoming < len(ranges) and upcoming <= k + PREPARE_AHEAD:
-                prepared.append(self._prepare(flat, key, ranges[upcoming], upcoming))
+                prepared.append(self._prepare(flat, key, ranges[upcoming], ranges[-1][3]))
                 upcoming += 1
                 stream.pump()
             chunk = prepared.pop(0)
@@ -441,9 +457,8 @@ class THCAllreduce:
             self.seconds["norms"] += time.perf_counter() - t0
             self.control_bytes += 4 * chunk.num_norms
             chunk.packed = self.codec.quantize(chunk.rotated, max_norms, worker=self.rank,
-                                               round=rnd, tensor=key + k * CHUNK_KEY_STRIDE)
-            chunk.padded = (padded_lo, padded_lo + self.codec.padded_length(chunk.hi - chunk.lo))
-            padded_lo = chunk.padded[1]
+                                               round=rnd, tensor=key + k * CHUNK_KEY_STRIDE,
+                                               error_out=chunk.error_out)
             stream.submit(*chunk.padded, chunk.packed, chunk.rotated)
             chunk.rotated = None
             in_flight.append(chunk)
@@ -452,15 +467,33 @@ class THCAllreduce:
                 self._decode(stream, in_flight.pop(0), key, mean)
         stream.finish()
 
-    def _prepare(self, flat, key, rng, k) -> "_Chunk":
-        """Compensate, norm and rotate one chunk; its norm exchange runs during the RHT."""
-        lo, hi = rng
-        x = self.error_feedback.compensate_range(key, flat, lo, hi) if self.error_feedback \
-            else flat[lo:hi]
-        norms = _as_torch(self.codec.partition_norms(x), flat.device).float()
-        work = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        rotated = self.codec.rotate(x)
-        return _Chunk(lo, hi, x, rotated, norms, work, len(norms))
+    def _prepare(self, flat, key, rng, padded_total: int) -> "_Chunk":
+        """One chunk's values, norms and RHT; its norm exchange runs during the RHT
+        (gradient-domain error feedback) or after it (rotated domain: the norms are of the
+        rotated, compensated values; the exchange overlaps the next chunk's work)."""
+        chunk = self._chunk_values(flat, key, rng, padded_total)
+        norms = _as_torch(chunk.norms, flat.device).float()
+        chunk.norms, chunk.num_norms = norms, len(norms)
+        chunk.work = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group,
+                                     async_op=True)
+        if chunk.rotated is None:
+            chunk.rotated = self.codec.rotate(chunk.x)
+        return chunk
+
+    def _chunk_values(self, flat, key, rng, padded_total: int) -> "_Chunk":
+        """The chunk rng = (lo, hi, padded lo, padded hi) with its (compensated) values and
+        host norms; rotated already in the rotated error-feedback domain (the norms come
+        out of the RHT, with the error added in the same pass), else not yet."""
+        lo, hi, plo, phi = rng
+        ef = self.error_feedback
+        if ef is not None and ef.rotated:
+            e = ef.rotated_error(key, padded_total, flat)
+            rotated, norms = self.codec.rotate_and_norms(flat[lo:hi], add=e[plo:phi])
+            chunk = _Chunk(rng, flat[lo:hi], rotated, norms)
+            chunk.error_out = e[plo:phi]
+            return chunk
+        x = ef.compensate_range(key, flat, lo, hi) if ef is not None else flat[lo:hi]
+        return _Chunk(rng, x, None, self.codec.partition_norms(x))
 
     def _decode(self, stream, chunk: "_Chunk", key, mean) -> None:
         t0 = time.perf_counter()
@@ -471,9 +504,8 @@ class THCAllreduce:
             sums = torch.as_tensor(np.asarray(sums) if not isinstance(sums, torch.Tensor)
                                    else sums).to(chunk.x.device)
         n = chunk.hi - chunk.lo
-        mean[chunk.lo:chunk.hi] = _as_torch(self.codec.decode(sums, counts, max_norms, n),
-                                            mean.device)
-        if self.error_feedback:
+        self.codec.decode(sums, counts, max_norms, n, out=mean[chunk.lo:chunk.hi])
+        if self.error_feedback and not self.error_feedback.rotated:
             # e = x - RHT^-1(own quantized values), in the gradient's domain.
             own = self.codec.inverse_rotate(self.codec.dequantize(chunk.packed, max_norms), n)
             self.error_feedback.update_range(key, chunk.lo, chunk.x, _as_torch(own, mean.device),
@@ -491,19 +523,18 @@ class THCAllreduce:
         verified = self.chunk_ranges(self.verified_sizes[key])[0]
         parts = self.codec.num_partitions(verified[1] - verified[0])
         usable = finite and good_dtype and d == self.verified_sizes[key]
-        x = flat
         norms = torch.zeros(parts, dtype=torch.float64)
+        chunk = None
         if usable:
-            lo, hi = ranges[0]
-            x = self.error_feedback.compensate_range(key, flat, lo, hi) if self.error_feedback \
-                else flat[lo:hi]
-            norms[:] = torch.from_numpy(np.asarray(self.codec.partition_norms(x), np.float64))
+            chunk = self._chunk_values(flat, key, ranges[0], ranges[-1][3])
+            norms[:] = torch.from_numpy(np.asarray(chunk.norms, np.float64))
         vector = torch.cat([norms, self._control_vector(d, finite, good_dtype)])
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             vector = vector.to(device)
         pending = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group,
                                   async_op=True)
-        rotated = self.codec.rotate(x) if usable else None   # overlaps with the exchange
+        if chunk is not None and chunk.rotated is None:
+            chunk.rotated = self.codec.rotate(chunk.x)      # overlaps with the exchange
         t0 = time.perf_counter()
         pending.wait()
         self.seconds["norms"] += time.perf_counter() - t0
@@ -514,9 +545,9 @@ class THCAllreduce:
             # No error, so every worker has the same new size: chunk 0's norms of the new
             # layout go separately, once.
             return None
-        chunk = _Chunk(ranges[0][0], ranges[0][1], x, rotated, None, None, parts)
+        chunk.num_norms = parts
         chunk.max_norms = vector[:parts].float().to(device)
-        if not isinstance(rotated, torch.Tensor):
+        if not isinstance(chunk.rotated, torch.Tensor):
             chunk.max_norms = chunk.max_norms.cpu().numpy()
         return chunk
 
@@ -573,14 +604,16 @@ class THCAllreduce:
 
 
 class _Chunk:
-    """One pipeline chunk in flight: its compensated values, norm exchange, packed indices."""
+    """One pipeline chunk in flight: its values, norm exchange, packed indices."""
 
-    def __init__(self, lo, hi, x, rotated, norms, work, num_norms):
-        self.lo, self.hi, self.x, self.rotated = lo, hi, x, rotated
-        self.norms, self.work, self.num_norms = norms, work, num_norms
+    def __init__(self, rng, x, rotated, norms):
+        self.lo, self.hi, plo, phi = rng
+        self.padded = (plo, phi)
+        self.x, self.rotated, self.norms = x, rotated, norms
+        self.work, self.num_norms = None, len(norms)
         self.max_norms = None
         self.packed = None
-        self.padded = None
+        self.error_out = None            # rotated error feedback: where quantize puts e_rot
 
     def wait_norms(self):
         """The max norms over all workers (torch when the values are torch, else numpy)."""
@@ -592,12 +625,25 @@ class _Chunk:
 
 
 class ChunkedErrorFeedback(thc.ErrorFeedback):
-    """Error feedback updated chunk by chunk, in place: e = x - own decoded per range.
+    """Error feedback chunk by chunk, in place.
 
-    The stored error of a tensor is one array of its length (same kind as the gradient);
-    compensate_range returns grad[lo:hi] + e[lo:hi] (the gradient's own slice on the first
-    round), update_range writes x - own into e[lo:lo+len(x)].
+    Rotated domain (rotated=True, the default of THCAllreduce): one float32 buffer of the
+    tensor's padded length holds e_rot; chunk k's RHT adds its slice (codec.rotate_and_norms
+    add=) and its quantizer writes the new error there (codec.quantize error_out=): no
+    inverse RHT and no extra pass for the feedback. Gradient domain: one array of the
+    tensor's length; compensate_range returns grad[lo:hi] + e[lo:hi] (the gradient's own
+    slice on the first round), update_range writes x - own decoded into e[lo:lo+len(x)].
     """
+
+    def rotated_error(self, key, padded: int, like):
+        """The padded-length e_rot buffer of `key` (zeros before the first call)."""
+        e = self._errors.get(key)
+        if e is None or e.shape[0] != padded or isinstance(e, torch.Tensor) != \
+                isinstance(like, torch.Tensor):
+            e = torch.zeros(padded, dtype=torch.float32, device=like.device) \
+                if isinstance(like, torch.Tensor) else np.zeros(padded, np.float32)
+            self._errors[key] = e
+        return e
 
     def compensate_range(self, key, grad, lo: int, hi: int):
         e = self.error(key)

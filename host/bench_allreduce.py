@@ -300,7 +300,7 @@ def parse_args(argv=None):
     ap.add_argument("--gso", action="store_true",
                     help="THC through an aggregator: send with UDP GSO (THC_GSO=1; the "
                          "ports testbed cuts the super-datagrams at each host's link end)")
-    ap.add_argument("--switch-ring", type=int, default=4096,
+    ap.add_argument("--switch-ring", type=int, default=1024,
                     help="thc-dpdk: frames in each af_packet ring of the switch")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mode and rate")
     ap.add_argument("--json", help="write the rows to this file")

@@ -114,7 +114,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
                    timeout: float = 30.0, policy=None, error_feedback: bool = True,
                    values_per_packet: int = 1024, seed: int = 0,
                    start_timeout: float = 60.0,
-                   pipeline_values: int = DEFAULT_PIPELINE_VALUES) -> THCHookState:
+                   pipeline_values: int = DEFAULT_PIPELINE_VALUES,
+                   error_domain: str = "rotated") -> THCHookState:
     """Build the hook state on this worker (call after dist.init_process_group).
 
     aggregator: None for THC over dist.all_reduce(SUM) (gloo/NCCL, no switch), or the
@@ -131,7 +132,9 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     (quantize the next chunk while this one is on the wire; 0 = whole tensors), the same
     on every worker. group: the process group of the control exchanges (default: one of
     THC's own over all ranks, made at the first call); with a group of yours, issue no
-    collectives of your own on it while an exchange is pending.
+    collectives of your own on it while an exchange is pending. error_domain: where the
+    error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
+    "gradient" (the paper's order, the max-norm exchange overlaps the RHT).
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
@@ -154,7 +157,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
         exchange = AggregatorExchange(transport, codec)
     return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
                                      start_timeout=start_timeout,
-                                     pipeline_values=pipeline_values))
+                                     pipeline_values=pipeline_values,
+                                     error_domain=error_domain))
 
 
 def _worker_address_from_env(rank: int):

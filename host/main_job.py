@@ -8,7 +8,8 @@ scikit-learn's digits (bundled with the package, no download), each on its own s
 run uses a DDP model; the THC run attaches the THC comm hook (host.ddp_hook), the baseline
 run DDP's own fp32 allreduce. With --aggregator reference the embedded reference aggregator
 (dataplane.udp_service) serves the job on loopback; with --aggregator dpdk the DPDK switch
-(make build; root) serves it behind a tap interface (dataplane.dpdk_runner.TapService; its
+(make build; root) serves it behind a veth pair (dataplane.dpdk_runner.HostService, jumbo
+frames; its
 final counters go to OUT_DIR/main_job_dpdk_stats.json); HOST:PORT uses an aggregator that is
 already running with this job's description:
 
@@ -291,23 +292,21 @@ def dpdk_unavailable() -> str | None:
     if not SWITCH_BIN.is_file():
         return f"{SWITCH_BIN} is not built: run `make build` (needs libdpdk-dev)"
     if os.geteuid() != 0:
-        return "the DPDK switch needs root (EAL, and a tap interface for the workers)"
-    if not os.path.exists("/dev/net/tun"):
-        return "no /dev/net/tun: the DPDK switch reaches the workers through a tap interface"
+        return "the DPDK switch needs root (EAL, and a veth pair for the workers)"
     return None
 
 
 def start_dpdk_switch(args):
-    """The DPDK switch (dataplane/dpdk/build/thc_switch) behind a kernel tap: the workers
-    are UDP sockets on this host bound to the tap's address (every member on switch port
-    0, one MAC/IP, its own UDP port); they reach the switch's IP through the tap."""
+    """The DPDK switch (dataplane/dpdk/build/thc_switch) behind a veth pair (MTU 9000):
+    the workers are UDP sockets on this host bound to the host end's address (every member
+    on switch port 0, one MAC/IP, its own UDP port); they reach the switch's IP through it."""
     from dataplane.config import Job, Member, SwitchConfig
-    from dataplane.dpdk_runner import SwitchError, TapService
+    from dataplane.dpdk_runner import HostService, SwitchError
     from host.ddp_hook import free_udp_port
     reason = dpdk_unavailable()
     if reason:
         raise SystemExit(f"--aggregator dpdk: {reason}; or use --aggregator reference")
-    # A subnet and tap name of this process, so two main jobs do not collide.
+    # A subnet and interface name of this process, so two main jobs do not collide.
     net = f"10.214.{os.getpid() % 250}"
     host_ip, switch_ip = f"{net}.1", f"{net}.254"
     ports = [free_udp_port("0.0.0.0") for _ in range(args.workers)]
@@ -315,7 +314,7 @@ def start_dpdk_switch(args):
                  for w, p in enumerate(ports))
     config = SwitchConfig(mac="02:00:00:00:d0:fe", ip=switch_ip,
                           jobs=(Job.from_thc(args.job, args.pool_size, mems),)).validate()
-    service = TapService(config, tap=f"thcmj{os.getpid() % 100000}")
+    service = HostService(config, iface=f"thcmj{os.getpid() % 100000}")
     try:
         service.start()
     except SwitchError as exc:
@@ -327,7 +326,7 @@ def start_dpdk_switch(args):
         path = Path(args.out_dir) / "main_job_dpdk_stats.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(stats, indent=1))
-    print(f"DPDK switch at {switch_ip}:50000 behind tap {service.tap}")
+    print(f"DPDK switch at {switch_ip}:50000 behind veth {service.iface}")
     return (switch_ip, 50000), [(host_ip, p) for p in ports], stop
 
 
@@ -411,7 +410,7 @@ def run_on_links(args) -> dict:
                           mtu=mtu) as tb, tempfile.TemporaryDirectory() as tmp:
             aggregator, members, agg = None, None, None
             if run == "thc":
-                config = job_config(tb, args.pool_size, args.values_per_packet, args.job)
+                config = job_config(tb, args.pool_size, args.job)
                 agg = start_dpdk(tb, config, Path(tmp)) if dpdk else \
                     start_reference(tb, config, Path(tmp))
                 aggregator = (tb.switch_ip, AGG_PORT)

@@ -2,7 +2,7 @@
 namespace. Shared by host.bench_allreduce and host.main_job --link-mbit.
 
 * `job_config`: the job description of a testbed's hosts (worker w at host_ip(w),
-  WORKER_UDP_PORT), with the packet size the hosts send;
+  WORKER_UDP_PORT);
 * `start_reference`: the reference UDP service bound to the bridge in the switch
   namespace (in-network aggregation: its traffic crosses only the workers' links);
 * `start_dpdk`: the DPDK switch on the bare switch ports of a switch="ports" testbed
@@ -25,7 +25,7 @@ GLOO_PORT = 29600
 CLONE_NEWNET = 0x40000000
 
 
-def job_config(tb, pool_size: int, values_per_packet: int = 1024, job: int = 1):
+def job_config(tb, pool_size: int, job: int = 1):
     from dataplane.config import Job, Member, SwitchConfig
     members = [Member(worker=w, port=w, mac=tb.host_mac(w), ip=tb.host_ip(w),
                       udp_port=WORKER_UDP_PORT) for w in range(tb.num_hosts)]
@@ -51,19 +51,20 @@ def start_reference(tb, config, workdir: Path) -> subprocess.Popen:
     return agg
 
 
-def start_dpdk(tb, config, workdir: Path, ring_frames: int = 4096) -> subprocess.Popen:
+def start_dpdk(tb, config, workdir: Path, ring_frames: int = 1024) -> subprocess.Popen:
     """thc_switch in the switch namespace, port w = worker w's link (af_packet).
 
     Its counters go to workdir/dpdk_stats.json when it stops."""
     from dataplane.dpdk_config import write_config
-    from dataplane.dpdk_runner import SWITCH_BIN, eal_args
+    from dataplane.dpdk_runner import SWITCH_BIN, af_packet_vdevs, eal_args
     workdir = Path(workdir)
     conf = write_config(config, workdir / "dpdk_switch.conf")
     # qdisc_bypass=0: the switch's transmissions go through the port's tbf (the link rate).
-    # framecnt: 4096-frame rings (default 512): four workers' windows arrive together, and
-    # on this shared machine the switch's lcore is sometimes descheduled for milliseconds.
-    vdevs = [f"net_af_packet{p},iface={tb.switch_port(p)},qdisc_bypass=0,"
-             f"framecnt={ring_frames}" for p in range(tb.num_hosts)]
+    # Jumbo-sized ring frames (16 KiB of locked memory each, per direction): 1024 hold four
+    # windows of a 256-slot pool, room while the switch's lcore is descheduled on this
+    # shared machine (512 lost packets at 1024 values per packet).
+    vdevs = af_packet_vdevs([tb.switch_port(p) for p in range(tb.num_hosts)],
+                            framecnt=ring_frames, qdisc_bypass=False)
     log = open(workdir / "dpdk_switch.log", "w")
     proc = tb.popen_switch([str(SWITCH_BIN), *eal_args(vdevs), "--", "--config", str(conf),
                             "--stats", str(workdir / "dpdk_stats.json")],

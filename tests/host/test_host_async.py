@@ -65,6 +65,9 @@ def _scenarios(rank, aggregator, members):
     _, ef = _states(rank, None, members)
     ef.reduce(g, 3)
     out["ef_error"] = ef.allreduce.error_feedback.error(3).numpy().copy()
+    _, ef_grad = _states(rank, None, members, error_domain="gradient")
+    ef_grad.reduce(g, 3)
+    out["ef_error_gradient"] = ef_grad.allreduce.error_feedback.error(3).numpy().copy()
     # Asynchronous: the call returns before the exchange is done; futures complete in
     # submission order (the callbacks run as each completes).
     order = []
@@ -186,21 +189,31 @@ def run():
 
 def simulate_pipelined(grads, ranges, codec, key=0, rnd=0):
     """What the pipelined allreduce computes: each chunk coded on its own, with the
-    chunk's max norms and rounding key key + k * CHUNK_KEY_STRIDE; the decoded mean and
-    each worker's error e = x - own decoded."""
+    chunk's max norms and rounding key key + k * CHUNK_KEY_STRIDE; the decoded mean
+    (no error feedback), and each worker's rotated-domain error after its first call with
+    error feedback (e_rot = RHT(x) - own quantized values, over the padded chunks: the
+    norms then are those of the rotated values), and in the gradient domain (e = x -
+    RHT^-1(own quantized values))."""
     mean = np.zeros(len(grads[0]), np.float32)
-    errors = [np.zeros_like(mean) for _ in grads]
+    errors, gradient_errors = [[] for _ in grads], [[] for _ in grads]
     for k, (lo, hi) in enumerate(ranges):
         parts = [g[lo:hi] for g in grads]
         norms = np.max([codec.partition_norms(p) for p in parts], axis=0)
-        packed = [codec.quantize(codec.rotate(p), norms, worker=w, round=rnd,
-                                 tensor=key + k * CHUNK_KEY_STRIDE) for w, p in enumerate(parts)]
+        tensor = key + k * CHUNK_KEY_STRIDE
+        packed = [codec.quantize(codec.rotate(p), norms, worker=w, round=rnd, tensor=tensor)
+                  for w, p in enumerate(parts)]
         total = np.sum([codec.lookup(q).astype(np.int32) for q in packed], axis=0)
         mean[lo:hi] = codec.decode(total, len(grads), norms, hi - lo)
         for w, q in enumerate(packed):
             own = codec.inverse_rotate(codec.dequantize(q, norms), hi - lo)
-            errors[w][lo:hi] = parts[w] - own
-    return mean, errors
+            gradient_errors[w].append(parts[w] - own)
+        rotated = [codec.rotate_and_norms(p) for p in parts]
+        norms = np.max([n for _, n in rotated], axis=0)
+        for w, (rot, _) in enumerate(rotated):
+            q = codec.quantize(rot, norms, worker=w, round=rnd, tensor=tensor)
+            errors[w].append(rot - codec.dequantize(q, norms))
+    return mean, [np.concatenate(e) for e in errors], \
+        [np.concatenate(e) for e in gradient_errors]
 
 
 def test_pipelined_allreduce_is_exact_chunk_by_chunk(run):
@@ -208,13 +221,15 @@ def test_pipelined_allreduce_is_exact_chunk_by_chunk(run):
     codec = thc.THCCodec(seed=5, partition_size=PARTITION)
     ranges = [tuple(r) for r in run[0]["chunks"]]
     assert len(ranges) == 7 and ranges[0] == (0, PIPELINE) and ranges[-1][1] == D
-    expected, _ = simulate_pipelined(grads, ranges, codec)
-    _, errors = simulate_pipelined(grads, ranges, codec, key=3)
+    expected, _, _ = simulate_pipelined(grads, ranges, codec)
+    _, errors, gradient_errors = simulate_pipelined(grads, ranges, codec, key=3)
     for r in range(WORLD):
         # Homomorphism: the sums are the same wherever they are added, chunk by chunk.
         assert np.array_equal(run[r]["agg"], run[r]["gloo"])
         np.testing.assert_allclose(run[r]["agg"], expected, rtol=0, atol=1e-6)
         np.testing.assert_allclose(run[r]["ef_error"], errors[r], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(run[r]["ef_error_gradient"], gradient_errors[r], rtol=0,
+                                   atol=1e-6)
     mean = np.mean(grads, axis=0)
     assert np.sum((run[0]["agg"] - mean) ** 2) / np.sum(mean ** 2) < 0.05
 
