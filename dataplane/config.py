@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import numbers
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 AGG_PORT_BASE = 50000          # UDP port range 50000-50015 (dport & 0xFFF0)
 AGG_PORT_MASK = 0xFFF0
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_WORKERS = 32               # contributor bitmaps are 32 bits
+MAX_VALUES = 8192              # values per packet of the software planes (protocol §8)
+DEFAULT_VALUES_PER_PACKET = 1024
+DLCP_MAX_CAPACITY = 1 << 20    # packets per (port, queue), protocol §6
+DLCP_MAX_THRESHOLD = (1 << 32) - 1
 NUM_QUEUES = 8
 CONTROL_DSCP = 48              # CS6 -> queue 7
 DATA_DSCP_BASE = 32            # data band b -> DSCP 32 + b -> queue 6 - b
@@ -39,6 +44,10 @@ def _check_ip(ip: str, what: str) -> None:
         ipaddress.IPv4Address(ip)
     except ValueError as exc:
         raise ConfigError(f"{what}: {ip!r} is not an IPv4 address") from exc
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -67,28 +76,46 @@ class Job:
     pool_size: int
     table: tuple[int, ...]
     members: tuple[Member, ...]
+    # The most values any DATA of the job carries: slot storage per copy is sized by it,
+    # a DATA with more is drop_bad_length (protocol §4.1, R7).
+    values_per_packet: int = DEFAULT_VALUES_PER_PACKET
 
     @classmethod
     def from_thc(cls, job: int, pool_size: int, members, bits: int = 4,
-                 granularity: int = 30, p: float = 1 / 32, symmetric: bool = True) -> "Job":
+                 granularity: int = 30, p: float = 1 / 32, symmetric: bool = True,
+                 values_per_packet: int = DEFAULT_VALUES_PER_PACKET) -> "Job":
         from thc import optimal_table  # lazy: the data planes need no codec
         table = tuple(int(v) for v in optimal_table(bits, granularity, p, symmetric=symmetric))
-        return cls(job, pool_size, table, tuple(members))
+        return cls(job, pool_size, table, tuple(members), values_per_packet)
 
     @property
-    def expected_all(self) -> int:
+    def member_mask(self) -> int:
+        """Bit w set for every member worker w (the `expected` of a whole-job round)."""
         bitmap = 0
         for m in self.members:
             bitmap |= 1 << m.worker
         return bitmap
 
-    def validate(self, max_slots: int = 65536) -> None:
+    expected_all = member_mask
+
+    @property
+    def member_count(self) -> int:
+        return len(self.members)
+
+    def validate(self, max_slots: int = 65536, max_values: int = MAX_VALUES,
+                 plane: str = "this data plane") -> None:
         what = f"job {self.job}"
         if not 0 <= self.job < 65536:
             raise ConfigError(f"{what}: job id must fit in 16 bits")
         if not 1 <= self.pool_size <= max_slots:
             raise ConfigError(f"{what}: pool_size {self.pool_size} must be in 1..{max_slots} "
                               "(this data plane's slot budget)")
+        vpp = self.values_per_packet
+        if not _is_int(vpp) or vpp < 1:
+            raise ConfigError(f"{what}: values_per_packet {vpp!r} must be a positive integer")
+        if vpp > max_values:
+            raise ConfigError(f"{what}: values_per_packet {vpp} exceeds {plane}'s limit of "
+                              f"{max_values} values per packet; lower values_per_packet")
         t = list(self.table)
         if len(t) != 16:
             raise ConfigError(f"{what}: the table needs 16 entries (4-bit indices), got {len(t)}")
@@ -103,12 +130,25 @@ class Job:
             raise ConfigError(f"{what}: duplicate worker ids in {sorted(ids)}")
         for m in self.members:
             m.validate(self.job)
+        self._check_addresses_distinct()
         n, g = len(self.members), t[-1]
         if n * g > LANE_MAX:
             raise ConfigError(
                 f"{what}: {n} workers x granularity {g} = {n * g} overflows the 8-bit result "
                 f"lanes (max {LANE_MAX}); use granularity <= {LANE_MAX // n} or at most "
                 f"{LANE_MAX // g} workers per job")
+
+    def _check_addresses_distinct(self) -> None:
+        """A member is bound to its (ip, udp_port): two members may not share one (R2)."""
+        seen = {}
+        for m in sorted(self.members, key=lambda m: m.worker):
+            key = (m.ip, m.udp_port)
+            if key in seen:
+                raise ConfigError(
+                    f"job {self.job}: workers {seen[key]} and {m.worker} share the address "
+                    f"{m.ip}:{m.udp_port}; a member is known by its (ip, udp_port), give "
+                    "each worker its own udp_port")
+            seen[key] = m.worker
 
 
 def default_thresholds(base: float = 8.0, d: float = 0.5) -> tuple[int, ...]:
@@ -140,13 +180,21 @@ class Dlcp:
     capacity: int = 64
 
     def validate(self) -> None:
+        """The one DLCP validation every control plane runs (protocol §6, R6)."""
         if len(self.thresholds) != NUM_QUEUES:
             raise ConfigError(f"dlcp: need {NUM_QUEUES} thresholds, got {len(self.thresholds)}")
-        if self.capacity < 1:
-            raise ConfigError("dlcp: capacity must be at least 1 packet")
+        if not _is_int(self.capacity) or not 1 <= self.capacity <= DLCP_MAX_CAPACITY:
+            raise ConfigError(f"dlcp: capacity {self.capacity!r} must be an integer in "
+                              f"1..{DLCP_MAX_CAPACITY} packets per (port, queue)")
+        for queue, k in enumerate(self.thresholds):
+            if not _is_int(k) or not 0 <= k <= DLCP_MAX_THRESHOLD:
+                raise ConfigError(f"dlcp: threshold {k!r} of queue {queue} must be an integer "
+                                  f"in 0..{DLCP_MAX_THRESHOLD}")
         for dscp, (queue, _) in self.dscp_map.items():
-            if not 0 <= dscp < 64 or not 0 <= queue < NUM_QUEUES:
-                raise ConfigError(f"dlcp: DSCP {dscp} -> queue {queue} out of range (0..63, 0..7)")
+            if not (_is_int(dscp) and _is_int(queue) and 0 <= dscp < 64
+                    and 0 <= queue < NUM_QUEUES):
+                raise ConfigError(f"dlcp: DSCP {dscp!r} -> queue {queue!r} out of range "
+                                  "(0..63 -> 0..7)")
 
     def classify(self, dscp: int) -> tuple[int, bool]:
         return self.dscp_map.get(dscp, (0, False))
@@ -198,14 +246,17 @@ class SwitchConfig:
     dlcp: Dlcp = field(default_factory=Dlcp)
     routes: tuple[Route, ...] = ()
 
-    def validate(self, max_slots: int = 65536) -> "SwitchConfig":
+    def validate(self, max_slots: int = 65536, max_values: int = MAX_VALUES,
+                 plane: str = "this data plane") -> "SwitchConfig":
+        """Refuse what no data plane may accept; `max_slots`/`max_values` are the plane's
+        own limits, named as `plane` in the messages."""
         _check_mac(self.mac, "switch")
         _check_ip(self.ip, "switch")
         ids = [j.job for j in self.jobs]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"two jobs share an id: {sorted(ids)}")
         for j in self.jobs:
-            j.validate(max_slots)
+            j.validate(max_slots, max_values, plane)
         self.dlcp.validate()
         for r in self.routes:
             r.validate()
@@ -227,13 +278,15 @@ class SwitchConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "SwitchConfig":
         jobs = tuple(Job(j["job"], j["pool_size"], tuple(j["table"]),
-                         tuple(Member(**m) for m in j["members"])) for j in d.get("jobs", ()))
+                         tuple(Member(**m) for m in j["members"]),
+                         j.get("values_per_packet", DEFAULT_VALUES_PER_PACKET))
+                     for j in d.get("jobs", ()))
         dl = d.get("dlcp", {})
         dlcp = Dlcp(
             dscp_map={int(k): (int(v[0]), bool(v[1])) for k, v in dl["dscp_map"].items()}
             if "dscp_map" in dl else default_dscp_map(),
             thresholds=tuple(dl.get("thresholds", default_thresholds())),
-            capacity=int(dl.get("capacity", 64)))
+            capacity=dl.get("capacity", 64))
         routes = tuple(Route(**r) for r in d.get("routes", ()))
         return cls(d.get("mac", cls.mac), d.get("ip", cls.ip), jobs, dlcp, routes)
 

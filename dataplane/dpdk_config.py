@@ -18,12 +18,13 @@ from dataplane.config import ConfigError, SwitchConfig
 
 DPDK_MAX_SLOTS = 65536     # docs/protocol.md §8
 DPDK_MAX_PORTS = 32        # AGG_MAX_PORTS in agg_core.h
-DPDK_MAX_VALUES = 1024     # AGG_MAX_VALUES in agg_core.h
+DPDK_MAX_VALUES = 8192     # AGG_MAX_VALUES in agg_core.h
 
 
 def render(config: SwitchConfig) -> str:
     """The config file's text for a validated SwitchConfig."""
-    config.validate(max_slots=DPDK_MAX_SLOTS)
+    config.validate(max_slots=DPDK_MAX_SLOTS, max_values=DPDK_MAX_VALUES,
+                    plane="the DPDK switch")
     for job in config.jobs:
         for m in job.members:
             if m.port >= DPDK_MAX_PORTS:
@@ -43,7 +44,8 @@ def render(config: SwitchConfig) -> str:
     dscp_map = dict(config.dlcp.dscp_map) or {0: (0, False)}
     lines += [f"dscp {d} {q} {int(bool(is_data))}" for d, (q, is_data) in sorted(dscp_map.items())]
     for job in config.jobs:
-        lines.append(f"job {job.job} {job.pool_size} " + " ".join(str(int(v)) for v in job.table))
+        lines.append(f"job {job.job} {job.pool_size} {job.values_per_packet} "
+                     + " ".join(str(int(v)) for v in job.table))
         for m in sorted(job.members, key=lambda m: m.worker):
             lines.append(f"member {job.job} {m.worker} {m.port} {m.mac} {m.ip} {m.udp_port}")
     for r in config.routes:

@@ -25,17 +25,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane.config import (AGG_PORT_BASE, AGG_PORT_MASK, MAX_WORKERS, NUM_QUEUES,
+from dataplane.config import (AGG_PORT_BASE, AGG_PORT_MASK, MAX_VALUES, NUM_QUEUES,
                               PROTOCOL_VERSION, Job, Member, SwitchConfig)
 
-MAX_VALUES = 1024              # values per packet this data plane accepts (§2.2, §8)
-MAX_SLOTS = 65536              # slots per job (§8)
+MAX_SLOTS = 65536              # slots per job (§8); MAX_VALUES (8192) comes with the config
 
 HEADER_LEN = 32
 L2L4_LEN = 42                  # Ethernet 14 + IPv4 20 + UDP 8
 TYPE_DATA, TYPE_RESULT, TYPE_STRAGGLER, TYPE_FLUSH = 0, 1, 2, 3
 FLAG_RESERVE, FLAG_LATE = 0x02, 0x04
 ECN_MASK, ECN_CE = 0x03, 0x03
+IP_MF, IP_FRAG_OFFSET = 0x2000, 0x1FFF
+ROUND_MOD, ROUND_HALF = 1 << 32, 1 << 31
 
 # ver_type flags job slot worker min_count round expected contributors tensor offset
 # num_values count reserved  (docs/protocol.md §2)
@@ -43,10 +44,10 @@ _HEADER = struct.Struct(">BBHHBBIIIIIHBB")
 
 JOB_COUNTERS = ("rx", "aggregated", "results_multicast", "results_reserved",
                 "straggler_notices", "flushes", "drop_bad_slot", "drop_not_member",
-                "drop_bad_expected", "drop_duplicate")
-GLOBAL_COUNTERS = ("drop_truncated", "drop_bad_version", "drop_bad_type", "drop_bad_length",
-                   "drop_unknown_job", "drop_not_routable", "dlcp_selective_drop",
-                   "dlcp_buffer_drop", "dlcp_ce_marked", "forwarded")
+                "drop_bad_expected", "drop_unsatisfiable", "drop_duplicate")
+GLOBAL_COUNTERS = ("drop_fragment", "drop_truncated", "drop_bad_version", "drop_bad_type",
+                   "drop_bad_length", "drop_unknown_job", "drop_not_routable",
+                   "dlcp_selective_drop", "dlcp_buffer_drop", "dlcp_ce_marked", "forwarded")
 
 
 def _fold(total: int) -> int:
@@ -65,6 +66,20 @@ def ipv4_header_checksum(header: bytes | bytearray | memoryview) -> int:
     return ~_fold(sum(words) - words[5]) & 0xFFFF
 
 
+def checksum_update(checksum: int, old_word: int, new_word: int) -> int:
+    """RFC 1624 eqn. 3: HC' = ~(~HC + ~m + m'), the checksum after one 16-bit word changed.
+
+    Needs no header length (IPv4 options included); a bad checksum stays bad by as much.
+    """
+    return ~_fold((~checksum & 0xFFFF) + (~old_word & 0xFFFF) + new_word) & 0xFFFF
+
+
+def round_newer(a: int, b: int) -> bool:
+    """Serial-number order of 32-bit rounds (§4.2, RFC 1982 style): a is newer than b."""
+    d = (a - b) % ROUND_MOD
+    return d != 0 and d < ROUND_HALF
+
+
 @dataclass
 class Reply:
     """One packet the aggregation core emits: AGG header + payload for one member."""
@@ -76,9 +91,15 @@ class Reply:
 class _JobState:
     """The slots of one job: two copies per slot, selected by round parity (§4)."""
 
-    def __init__(self, job: Job, max_values: int):
+    def __init__(self, job: Job):
         self.job = job
-        self.members = {(m.worker, m.port): m for m in job.members}
+        self.members = {m.worker: m for m in job.members}
+        # The sources a member's packets may carry (R2): from a frame (ingress port,
+        # Ethernet source, IPv4 source, UDP source port), or from a socket (ip, udp_port).
+        self.sources = {m.worker: {(m.port, bytes.fromhex(m.mac.replace(":", "")),
+                                    ipaddress.IPv4Address(m.ip).packed, m.udp_port),
+                                   (m.ip, m.udp_port)} for m in job.members}
+        self.member_mask, self.member_count = job.member_mask, job.member_count
         self.by_worker = sorted(job.members, key=lambda m: m.worker)
         # One lookup per packed byte yields both lanes: pair[b] = (T[b >> 4], T[b & 15]).
         table = np.asarray(job.table, dtype=np.uint8)
@@ -90,7 +111,7 @@ class _JobState:
         self.count = [0] * copies
         self.done = [False] * copies
         self.result_header = [None] * copies     # header tuple of the completing packet
-        self.sums = np.zeros((copies, max_values), dtype=np.uint8)
+        self.sums = np.zeros((copies, job.values_per_packet), dtype=np.uint8)
         self.counters = dict.fromkeys(JOB_COUNTERS, 0)
 
     def reset_copy(self, c: int, round_: int) -> None:
@@ -147,10 +168,9 @@ class ReferenceSwitch:
     max_values = MAX_VALUES
 
     def __init__(self, config: SwitchConfig, port_rates: dict[int, float] | None = None,
-                 clock=time.monotonic, max_values: int = MAX_VALUES):
-        self.config = config.validate(MAX_SLOTS)
-        self.max_values = max_values
-        self.jobs = {j.job: _JobState(j, max_values) for j in config.jobs}
+                 clock=time.monotonic):
+        self.config = config.validate(MAX_SLOTS, MAX_VALUES, "the reference aggregator")
+        self.jobs = {j.job: _JobState(j) for j in config.jobs}
         self.global_counters = dict.fromkeys(GLOBAL_COUNTERS, 0)
         self._mac = bytes.fromhex(config.mac.replace(":", ""))
         self._ip = ipaddress.IPv4Address(config.ip).packed
@@ -208,20 +228,37 @@ class ReferenceSwitch:
     def ingress(self, port: int, frame: bytes) -> list[tuple[int, bytes]]:
         """Parse, validate and act on one frame; the frames it causes, before DLCP."""
         frame = bytes(frame)
+        if self._is_ipv4(frame) and int.from_bytes(frame[20:22], "big") & (IP_MF | IP_FRAG_OFFSET):
+            if self._fragment_for_aggregator(frame):
+                self.global_counters["drop_fragment"] += 1
+                return []
+            return self._forward(frame)
         if not self._is_agg(frame):
             return self._forward(frame)
         ip_len = int.from_bytes(frame[16:18], "big")
         udp_len = int.from_bytes(frame[38:40], "big")
         l34_ok = ip_len == 20 + udp_len and 8 <= udp_len <= len(frame) - 34
         tos = frame[15]
-        replies = self.handle_agg(port, memoryview(frame)[L2L4_LEN:], udp_len - 8, l34_ok, tos)
+        source = (port, frame[6:12], frame[26:30], int.from_bytes(frame[34:36], "big"))
+        replies = self.handle_agg(port, memoryview(frame)[L2L4_LEN:], udp_len - 8, l34_ok, tos,
+                                  source)
         return [(r.member.port, self.frame_for(r)) for r in replies]
+
+    @staticmethod
+    def _is_ipv4(frame: bytes) -> bool:
+        return len(frame) >= 34 and frame[12:14] == b"\x08\x00" and frame[14] >> 4 == 4
 
     @staticmethod
     def _is_agg(frame: bytes) -> bool:
         return (len(frame) >= L2L4_LEN and frame[12:14] == b"\x08\x00" and frame[14] == 0x45
                 and frame[23] == 17
                 and (int.from_bytes(frame[36:38], "big") & AGG_PORT_MASK) == AGG_PORT_BASE)
+
+    def _fragment_for_aggregator(self, frame: bytes) -> bool:
+        """An IPv4 fragment aimed at the aggregator (§4.1, R4): a first fragment that would
+        be an aggregation packet, or any fragment to the switch's own address."""
+        first = int.from_bytes(frame[20:22], "big") & IP_FRAG_OFFSET == 0
+        return frame[30:34] == self._ip or (first and self._is_agg(frame))
 
     def frame_for(self, reply: Reply) -> bytes:
         """Ethernet/IPv4/UDP around an emitted AGG packet (§5)."""
@@ -264,8 +301,10 @@ class ReferenceSwitch:
 
         `data` holds the bytes after the UDP header (it may run past the UDP length:
         Ethernet padding); `l34_ok` says whether the IPv4 and UDP lengths agree with each
-        other and with the frame. `source`, when given (the UDP service), is the sender's
-        (ip, udp_port) and must be the member's configured address.
+        other and with the frame. `source` is where the packet came from and must be the
+        member's (R2): from a frame (port, Ethernet source, IPv4 source bytes, UDP source
+        port), from the UDP service's socket (ip, udp_port). None: an in-process caller
+        vouches for the address, only the switch port is checked.
         """
         g = self.global_counters
         if len(data) < HEADER_LEN:
@@ -283,26 +322,33 @@ class ReferenceSwitch:
             return []
         payload_len = (num_values + 1) // 2 if ptype == TYPE_DATA else 0
         if (not l34_ok or udp_payload_len != HEADER_LEN + payload_len
-                or (ptype == TYPE_DATA and not 1 <= num_values <= self.max_values)):
+                or (ptype == TYPE_DATA and not 1 <= num_values <= MAX_VALUES)):
             g["drop_bad_length"] += 1
             return []
         state = self.jobs.get(job_id)
         if state is None:
             g["drop_unknown_job"] += 1
             return []
+        if ptype == TYPE_DATA and num_values > state.job.values_per_packet:
+            g["drop_bad_length"] += 1
+            return []
         jc = state.counters
         if slot >= state.job.pool_size:
             jc["drop_bad_slot"] += 1
             return []
-        member = state.members.get((worker, port)) if worker < MAX_WORKERS else None
-        if member is None or (source is not None
-                              and (member.ip, member.udp_port) != (source[0], source[1])):
+        member = state.members.get(worker)
+        if (member is None or member.port != port
+                or (source is not None and source not in state.sources[worker])):
             jc["drop_not_member"] += 1
             return []
-        if ptype == TYPE_DATA and ((expected == 0 and min_count == 0)
-                                   or (expected != 0 and not expected >> worker & 1)):
-            jc["drop_bad_expected"] += 1
-            return []
+        if ptype == TYPE_DATA:
+            if (expected == 0 and min_count == 0) or (expected != 0 and not expected >> worker & 1):
+                jc["drop_bad_expected"] += 1
+                return []
+            if expected & ~state.member_mask or min_count > (
+                    _popcount(expected) if expected else state.member_count):
+                jc["drop_unsatisfiable"] += 1
+                return []
         jc["rx"] += 1
         if ptype == TYPE_FLUSH:
             state.reset_copy(2 * slot, 0)
@@ -317,9 +363,9 @@ class ReferenceSwitch:
         num_values = h[11]
         c = 2 * slot + (round_ & 1)
         jc = state.counters
-        if round_ > state.copy_round[c] or state.bitmap[c] == 0:
+        if state.bitmap[c] == 0 or round_newer(round_, state.copy_round[c]):
             state.reset_copy(c, round_)
-        elif round_ < state.copy_round[c]:
+        elif round_ != state.copy_round[c]:
             jc["straggler_notices"] += 1
             return [self._straggler(state, c, member, h, tos)]
         bit = 1 << worker
@@ -406,6 +452,9 @@ class ReferenceSwitch:
     @staticmethod
     def _mark_ce(frame: bytes) -> bytes:
         marked = bytearray(frame)
+        old_word = int.from_bytes(frame[14:16], "big")
         marked[15] |= ECN_CE
-        marked[24:26] = ipv4_header_checksum(marked[14:34]).to_bytes(2, "big")
+        checksum = checksum_update(int.from_bytes(frame[24:26], "big"), old_word,
+                                   int.from_bytes(marked[14:16], "big"))
+        marked[24:26] = checksum.to_bytes(2, "big")
         return bytes(marked)

@@ -7,8 +7,10 @@ each datagram and runs the reference semantics on it (`ReferenceSwitch.handle_ag
 code the packet suite checks). Differences from a switch, all forced by the socket API:
 
 * Membership is `(job, worker)` plus the worker's configured `(ip, udp_port)`: a
-  datagram must come from exactly that address. Every member counts as attached to
-  switch port 0 (the `port` field of the config is ignored).
+  datagram must come from exactly that address (the MAC is the kernel's). Every member
+  counts as attached to switch port 0 (the `port` field of the config is ignored).
+* IPv4 fragments are the kernel's: it reassembles them before the socket sees a datagram,
+  so `drop_fragment` stays 0 here.
 * Results and notices go to each member's `(ip, udp_port)` with `sendto`, from the
   service's own address; no DLCP stage (the kernel queues), no ordinary forwarding.
 * The drop counters of docs/protocol.md §4.5 are kept; `drop_truncated` and
@@ -35,7 +37,7 @@ import sys
 import threading
 import time
 
-from dataplane.config import ConfigError, SwitchConfig
+from dataplane.config import MAX_VALUES, ConfigError, SwitchConfig
 from dataplane.reference import ReferenceSwitch
 
 DEFAULT_HOST = "127.0.0.1"
@@ -45,21 +47,13 @@ SOCKET_BUFFER = 8 << 20        # kernel buffers: absorb bursts of a whole tensor
 
 
 def service_config(config: SwitchConfig) -> SwitchConfig:
-    """The config with every member on switch port 0, refusing shared member addresses."""
-    jobs = []
-    for job in config.jobs:
-        seen = {}
-        for m in job.members:
-            key = (m.ip, m.udp_port)
-            if key in seen:
-                raise ConfigError(
-                    f"job {job.job}: workers {seen[key]} and {m.worker} share the UDP address "
-                    f"{m.ip}:{m.udp_port}; the UDP service tells members apart by address, "
-                    "give each worker its own udp_port")
-            seen[key] = m.worker
-        members = tuple(dataclasses.replace(m, port=0) for m in job.members)
-        jobs.append(dataclasses.replace(job, members=members))
-    return dataclasses.replace(config, jobs=tuple(jobs)).validate()
+    """The config validated as given (shared member addresses are refused there), then
+    every member moved to switch port 0: the kernel owns the ports."""
+    config.validate(max_values=MAX_VALUES, plane="the UDP service")
+    jobs = tuple(dataclasses.replace(job, members=tuple(dataclasses.replace(m, port=0)
+                                                        for m in job.members))
+                 for job in config.jobs)
+    return dataclasses.replace(config, jobs=jobs)
 
 
 class UdpAggregator:

@@ -12,7 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from host.p4control import BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4_SOURCE
+from host.p4control import (BMV2_QUEUE_DEPTH, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
+                            P4_SOURCE)
 
 PRIORITY_QUEUES = 8            # DLCP: 7 data bands + control (docs/protocol.md §6)
 LOG_TAIL_LINES = 20
@@ -107,6 +108,19 @@ class Bmv2Switch:
                     f"simple_switch_grpc did not open its gRPC port {self.grpc_port} in "
                     f"{timeout:.0f} s; last lines of {self.log_path}:\n{log_tail(self.log_path)}")
             time.sleep(0.05)
+
+    def cli(self, commands: list[str]) -> str:
+        """Run simple_switch_CLI commands (queue depths and rates: not in P4Runtime)."""
+        self.check_alive("before simple_switch_CLI")
+        proc = subprocess.run(["simple_switch_CLI", "--thrift-port", str(self.thrift_port)],
+                              input="\n".join(commands) + "\n", capture_output=True, text=True)
+        if proc.returncode != 0 or "Error" in proc.stdout:
+            raise RuntimeError(f"simple_switch_CLI {commands} failed: {proc.stdout}{proc.stderr}")
+        return proc.stdout
+
+    def set_queue_depth(self, depth: int = BMV2_QUEUE_DEPTH) -> None:
+        """Every queue's depth; the DLCP stage needs it below its history (p4control)."""
+        self.cli([f"set_queue_depth {depth}"])
 
     def check_alive(self, when: str = "") -> None:
         """Raise with the log's tail if the switch process has exited."""

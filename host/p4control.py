@@ -4,9 +4,10 @@ Two halves:
 
 * `plan_switch(config)` turns a `dataplane.config.SwitchConfig` into the exact table
   entries and multicast groups the P4 program needs (pure Python, no switch needed,
-  unit-tested): job layout, membership, the per-byte lookup tables, multicast groups
-  (one per job, egress_rid = worker id), per-member egress addressing, the DLCP DSCP
-  map and queue limits, and the IPv4 routes.
+  unit-tested): job layout and per-job parameters (values_per_packet, member mask and
+  count), membership by address, the switch's own address (fragments), the per-byte
+  lookup tables, multicast groups (one per job, egress_rid = worker id), per-member
+  egress addressing, the DLCP DSCP map and queue limits, and the IPv4 routes.
 * `P4Controller` pushes a plan to a running `simple_switch_grpc` through
   p4runtime-shell (imported only when a switch is contacted), loads the
   pipeline (BMv2 JSON + P4Info) and reads the counters back under the protocol names.
@@ -30,6 +31,10 @@ from dataplane.config import (NUM_QUEUES, ConfigError, Job, SwitchConfig)
 
 # ---- resource limits of p4src/v1model (headers.p4); keep in step with the P4 ----
 BMV2_MAX_VALUES = 64           # values per packet (protocol.md §8)
+BMV2_DLCP_HISTORY = 1024       # DLCP_HISTORY in headers.p4
+BMV2_QUEUE_DEPTH = BMV2_DLCP_HISTORY - 1   # set_queue_depth: enq_qdepth stays below the history
+BMV2_MAX_CAPACITY = BMV2_QUEUE_DEPTH       # DLCP capacity: BMv2 holds that many per queue
+BMV2_DLCP_PORTS = 32           # DLCP_PORTS in headers.p4: switch ports 0..31
 INDEX_BYTES = BMV2_MAX_VALUES // 2
 BMV2_MAX_JOBS = 16
 BMV2_SLOT_BUDGET = 4096        # slots of all jobs together (two copies each)
@@ -46,6 +51,7 @@ DEFAULT_P4INFO = BUILD_DIR / "main.p4info.txtpb"
 # ---- names in the P4Info (control instance path + local name) ----
 T_JOBS = "SwitchIngress.job_membership.jobs"
 T_MEMBERS = "SwitchIngress.job_membership.members"
+T_OWN_ADDRESS = "SwitchIngress.fragment_filter.own_address"
 T_ROUTES = "SwitchIngress.ipv4_forwarding.routes"
 T_NEXT_HOPS = "SwitchIngress.ipv4_forwarding.next_hops"
 T_DSCP = "SwitchIngress.dlcp_classify.dscp_to_queue"
@@ -55,16 +61,17 @@ LOOKUP_CONTROL = "SwitchIngress.lookup_{position}"
 C_JOB = "SwitchIngress.job_counters"
 C_GLOBAL = "SwitchIngress.global_counters"
 C_DLCP = "SwitchEgress.dlcp_admission.dlcp_counters"
+C_QUEUE_DEPARTURES = "SwitchEgress.dlcp_admission.queue_departures"
 
 # Counter cells (p4src/v1model/counters.p4) -> protocol.md §4.5 names.
 JOB_COUNTER_CELLS = {
     "rx": 0, "aggregated": 1, "results_multicast": 2, "results_reserved": 3,
     "straggler_notices": 4, "flushes": 5, "drop_bad_slot": 6, "drop_not_member": 7,
-    "drop_bad_expected": 8, "drop_duplicate": 9,
+    "drop_bad_expected": 8, "drop_duplicate": 9, "drop_unsatisfiable": 10,
 }
 GLOBAL_COUNTER_CELLS = {
     "drop_truncated": 0, "drop_bad_version": 1, "drop_bad_type": 2, "drop_bad_length": 3,
-    "drop_unknown_job": 4, "drop_not_routable": 5, "forwarded": 6,
+    "drop_unknown_job": 4, "drop_not_routable": 5, "forwarded": 6, "drop_fragment": 7,
 }
 DLCP_COUNTER_CELLS = {"dlcp_selective_drop": 0, "dlcp_buffer_drop": 1, "dlcp_ce_marked": 2}
 
@@ -135,7 +142,18 @@ def _lookup_table(position: int) -> tuple[str, str]:
 # --------------------------------------------------------------------------- planning
 def job_layouts(config: SwitchConfig) -> dict[int, JobLayout]:
     """Dense job indices and slot ranges; refuses what does not fit the BMv2 program."""
-    config.validate(max_slots=BMV2_SLOT_BUDGET)
+    config.validate(max_slots=BMV2_SLOT_BUDGET, max_values=BMV2_MAX_VALUES,
+                    plane="the BMv2 program")
+    if config.dlcp.capacity > BMV2_MAX_CAPACITY:
+        raise ConfigError(f"dlcp: capacity {config.dlcp.capacity} exceeds the BMv2 program's "
+                          f"limit of {BMV2_MAX_CAPACITY} packets (its queue depth, below "
+                          f"DLCP_HISTORY = {BMV2_DLCP_HISTORY}); lower capacity")
+    ports = sorted({m.port for j in config.jobs for m in j.members}
+                   | {p for r in config.routes for p, _ in r.next_hops})
+    if ports and ports[-1] >= BMV2_DLCP_PORTS:
+        raise ConfigError(f"switch port {ports[-1]}: the BMv2 program keeps DLCP queue state "
+                          f"for ports 0..{BMV2_DLCP_PORTS - 1} (DLCP_PORTS in "
+                          "p4src/v1model/headers.p4); renumber the ports")
     if len(config.jobs) > BMV2_MAX_JOBS:
         raise ConfigError(f"{len(config.jobs)} jobs; the BMv2 program holds at most "
                           f"{BMV2_MAX_JOBS} (MAX_JOBS in p4src/v1model/headers.p4)")
@@ -173,10 +191,16 @@ def multicast_group(job: Job, layout: JobLayout) -> MulticastGroup:
 def job_entries(config: SwitchConfig, job: Job, layout: JobLayout) -> list[Entry]:
     entries = [_entry(T_JOBS, {"hdr.agg.job": job.job}, "SwitchIngress.job_membership.set_job",
                       {"job_index": layout.index, "slot_base": layout.slot_base,
-                       "pool_size": layout.pool_size})]
+                       "pool_size": layout.pool_size,
+                       "values_per_packet": job.values_per_packet,
+                       "member_mask": job.member_mask, "member_count": job.member_count})]
     for m in sorted(job.members, key=lambda m: m.worker):
+        # A member is its whole address: port, MAC, IPv4, UDP port (protocol.md §4.1).
         entries.append(_entry(T_MEMBERS, {"hdr.agg.job": job.job, "hdr.agg.worker": m.worker,
-                                          "standard_metadata.ingress_port": m.port},
+                                          "standard_metadata.ingress_port": m.port,
+                                          "hdr.ethernet.src_addr": m.mac,
+                                          "hdr.ipv4.src_addr": m.ip,
+                                          "hdr.udp.src_port": m.udp_port},
                               "SwitchIngress.job_membership.member"))
         entries.append(_entry(T_MEMBER_ADDRESSES, {"hdr.agg.job": job.job,
                                                    "meta.dest_worker": m.worker},
@@ -226,10 +250,16 @@ def route_entries(config: SwitchConfig) -> list[Entry]:
     return entries
 
 
+def own_address_entry(config: SwitchConfig) -> Entry:
+    """The switch's IPv4 address: any fragment to it is drop_fragment (protocol.md §4.1)."""
+    return _entry(T_OWN_ADDRESS, {"hdr.ipv4.dst_addr": config.ip},
+                  "SwitchIngress.fragment_filter.switch_address")
+
+
 def plan_switch(config: SwitchConfig) -> SwitchPlan:
     """Everything to install for `config`; raises ConfigError with what to change."""
     layouts = job_layouts(config)
-    plan = SwitchPlan(layouts)
+    plan = SwitchPlan(layouts, [own_address_entry(config)])
     for job in sorted(config.jobs, key=lambda j: j.job):
         plan.entries.extend(job_entries(config, job, layouts[job.job]))
         plan.groups.append(multicast_group(job, layouts[job.job]))
@@ -398,6 +428,13 @@ class P4Controller:
             raise P4ControlError("connect() and install() before reading counters")
         return counters_from_cells(self.plan.layouts, self._read_counter(C_JOB),
                                    self._read_counter(C_GLOBAL), self._read_counter(C_DLCP))
+
+    def port_departures(self, port: int) -> int:
+        """Packets of `port`'s eight queues through the egress DLCP stage so far."""
+        if self._sh is None:
+            raise P4ControlError("connect() before reading counters")
+        cells = self._read_counter(C_QUEUE_DEPARTURES)
+        return sum(cells.get(port * NUM_QUEUES + q, 0) for q in range(NUM_QUEUES))
 
 
 # --------------------------------------------------------------------------- CLI

@@ -1,4 +1,4 @@
-"""Worker transport: one worker's side of protocol v1 over a UDP socket.
+"""Worker transport: one worker's side of protocol v2 over a UDP socket.
 
 A worker hands `AggregatorTransport.allreduce` the packed 4-bit indices of one tensor and
 gets back the 8-bit lane sums of every worker's table values, plus the contributor count
@@ -46,7 +46,7 @@ from host.packets import (FLAG_RETX, HEADER_DTYPE, HEADER_LEN, TYPE_FLUSH, TYPE_
                           TYPE_STRAGGLER, VERSION, decode_headers, encode_data, encode_headers,
                           header_types, scatter_payloads)
 
-MAX_VALUES = 1024              # the reference aggregator's and DPDK switch's MAX_VALUES
+MAX_VALUES = 8192              # the reference aggregator's and DPDK switch's MAX_VALUES
 IP_UDP_HEADERS = 28            # IPv4 + UDP header bytes in front of the AGG header
 PROBE_NONE = -1                # no probe answer (yet) for a chunk
 
@@ -210,6 +210,11 @@ class AggregatorTransport:
         if not 0 <= worker < 32 or not (expected >> worker) & 1:
             raise ValueError(f"worker {worker} must be in 0..31 and in the expected bitmap "
                              f"{expected:#x}")
+        if not 0 <= min_count <= bin(expected).count("1"):
+            # The aggregator would drop every packet as drop_unsatisfiable (protocol §4.1).
+            raise ValueError(f"min_count {min_count} can never be reached: the expected "
+                             f"bitmap {expected:#x} names {bin(expected).count('1')} workers; "
+                             "lower min_count (0 = wait for all expected workers)")
         if on_straggler not in ("raise", "skip"):
             raise ValueError("on_straggler must be 'raise' or 'skip'")
         if timeout <= 0:

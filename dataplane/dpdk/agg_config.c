@@ -7,7 +7,7 @@
  *   capacity  <packets per (port, queue)>
  *   threshold <queue 0-7> <K>
  *   dscp      <dscp 0-63> <queue 0-7> <is_data 0|1>     (first one clears the default map)
- *   job       <id> <pool_size> <t0> ... <t15>
+ *   job       <id> <pool_size> <values_per_packet> <t0> ... <t15>
  *   member    <job> <worker> <port> <mac> <ipv4> <udp_port>
  *   route     <a.b.c.d/len> <port> <next-hop mac> [<port> <next-hop mac>]...
  *             (up to AGG_MAX_NEXT_HOPS equal-cost next hops, sprayed round-robin)
@@ -124,7 +124,7 @@ static int directive_threshold(struct parse_ctx *c, char **t, int n)
 	unsigned long q, k;
 	if (n != 3 || parse_uint(t[1], AGG_NUM_QUEUES - 1, &q) < 0 ||
 	    parse_uint(t[2], 0xFFFFFFFFu, &k) < 0)
-		return fail(c, "expected 'threshold <queue 0..7> <K>'");
+		return fail(c, "expected 'threshold <queue 0..7> <K 0..4294967295>'");
 	c->sw->dlcp.threshold[q] = (uint32_t)k;
 	return 0;
 }
@@ -147,9 +147,10 @@ static int directive_dscp(struct parse_ctx *c, char **t, int n)
 static int directive_job(struct parse_ctx *c, char **t, int n)
 {
 	struct agg_switch *sw = c->sw;
-	unsigned long id, pool, v;
-	if (n != 3 + (int)AGG_TABLE_SIZE)
-		return fail(c, "expected 'job <id> <pool_size> <16 table values>' (a 4-bit table has 16 entries)");
+	unsigned long id, pool, vpp, v;
+	if (n != 4 + (int)AGG_TABLE_SIZE)
+		return fail(c, "expected 'job <id> <pool_size> <values_per_packet> <16 table values>' "
+			    "(a 4-bit table has 16 entries)");
 	if (parse_uint(t[1], 0xFFFF, &id) < 0)
 		return fail(c, "job id '%s' must be in 0..65535", t[1]);
 	if (find_job(sw, id) != NULL)
@@ -157,6 +158,9 @@ static int directive_job(struct parse_ctx *c, char **t, int n)
 	if (parse_uint(t[2], AGG_MAX_SLOTS, &pool) < 0 || pool < 1)
 		return fail(c, "job %lu: pool_size '%s' must be in 1..%u (this switch's slot budget)",
 			    id, t[2], AGG_MAX_SLOTS);
+	if (parse_uint(t[3], AGG_MAX_VALUES, &vpp) < 0 || vpp < 1)
+		return fail(c, "job %lu: values_per_packet '%s' must be in 1..%u (this switch's limit "
+			    "of values per packet); lower values_per_packet", id, t[3], AGG_MAX_VALUES);
 	struct agg_job *jobs = realloc(sw->jobs, (sw->num_jobs + 1) * sizeof(*jobs));
 	if (jobs == NULL)
 		return fail(c, "out of memory");
@@ -165,9 +169,10 @@ static int directive_job(struct parse_ctx *c, char **t, int n)
 	memset(job, 0, sizeof(*job));
 	job->id = (uint16_t)id;
 	job->pool_size = (uint32_t)pool;
+	job->values_per_packet = (uint32_t)vpp;
 	for (unsigned i = 0; i < AGG_TABLE_SIZE; i++) {
-		if (parse_uint(t[3 + i], 255, &v) < 0)
-			return fail(c, "job %lu: table value '%s' must be an integer in 0..255", id, t[3 + i]);
+		if (parse_uint(t[4 + i], 255, &v) < 0)
+			return fail(c, "job %lu: table value '%s' must be an integer in 0..255", id, t[4 + i]);
 		job->table[i] = (uint8_t)v;
 		if ((i == 0 && v != 0) || (i > 0 && v <= job->table[i - 1]))
 			return fail(c, "job %lu: the table must start at 0 and strictly increase "
@@ -175,10 +180,9 @@ static int directive_job(struct parse_ctx *c, char **t, int n)
 	}
 	for (unsigned b = 0; b < 256; b++)
 		job->pair_lut[b] = (uint16_t)(job->table[b >> 4] | job->table[b & 15] << 8);
-	/* calloc: untouched slots cost no memory until a round uses them. */
-	job->slots = calloc(pool, sizeof(struct agg_slot));
-	if (job->slots == NULL)
-		return fail(c, "job %lu: cannot allocate %lu slots; lower pool_size", id, pool);
+	if (agg_job_alloc_slots(job) < 0)
+		return fail(c, "job %lu: cannot allocate %lu slots of %lu values; lower pool_size or "
+			    "values_per_packet", id, pool, vpp);
 	sw->job_index[id] = (int32_t)sw->num_jobs;
 	sw->num_jobs++;
 	return 0;
@@ -294,7 +298,26 @@ static int parse_line(struct parse_ctx *c, char *line)
 		    t[0]);
 }
 
-/* Rules that need the whole file: every job has members, lanes cannot overflow. */
+/* A member is known by its address: two members of a job may not share one. */
+static int check_addresses_distinct(struct parse_ctx *c, const struct agg_job *job)
+{
+	for (uint32_t a = 0; a < AGG_MAX_WORKERS; a++) {
+		const struct agg_member *ma = &job->members[a];
+		for (uint32_t b = a + 1; ma->valid && b < AGG_MAX_WORKERS; b++) {
+			const struct agg_member *mb = &job->members[b];
+			if (mb->valid && mb->ip == ma->ip && mb->udp_port == ma->udp_port)
+				return fail(c, "job %u: workers %u and %u share the address "
+					    "%u.%u.%u.%u:%u; a member is known by its (ip, udp_port), "
+					    "give each worker its own udp_port", job->id, a, b,
+					    ma->ip >> 24, (ma->ip >> 16) & 0xff, (ma->ip >> 8) & 0xff,
+					    ma->ip & 0xff, ma->udp_port);
+		}
+	}
+	return 0;
+}
+
+/* Rules that need the whole file: every job has members with distinct addresses,
+ * lanes cannot overflow. */
 static int check_jobs(struct parse_ctx *c)
 {
 	for (uint32_t j = 0; j < c->sw->num_jobs; j++) {
@@ -302,6 +325,8 @@ static int check_jobs(struct parse_ctx *c)
 		unsigned g = job->table[AGG_TABLE_SIZE - 1];
 		if (job->num_members == 0)
 			return fail(c, "job %u has no members; add 'member' lines", job->id);
+		if (check_addresses_distinct(c, job) < 0)
+			return -1;
 		if (job->num_members * g > AGG_LANE_MAX)
 			return fail(c, "job %u: %u workers x granularity %u = %u overflows the 8-bit "
 				    "result lanes (max %u); use granularity <= %u or at most %u workers",
@@ -365,7 +390,7 @@ int agg_config_load(struct agg_switch *sw, const char *path, char *err, size_t e
 void agg_switch_free(struct agg_switch *sw)
 {
 	for (uint32_t j = 0; j < sw->num_jobs; j++)
-		free(sw->jobs[j].slots);
+		free(sw->jobs[j].slots_mem);
 	free(sw->jobs);
 	free(sw->routes);
 	free(sw->job_index);

@@ -40,6 +40,25 @@ static uint16_t ipv4_checksum(const uint8_t *ip)
 	return (uint16_t)~sum;
 }
 
+/* RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'): the checksum after one 16-bit word
+ * changed from m to m'. No header length needed (IPv4 options included); a bad
+ * checksum stays bad by as much (docs/protocol.md §1). */
+static uint16_t checksum_update(uint16_t checksum, uint16_t old_word, uint16_t new_word)
+{
+	uint32_t sum = (uint16_t)~checksum + (uint32_t)(uint16_t)~old_word + new_word;
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (uint16_t)~sum;
+}
+
+/* Serial-number order of rounds (§4.2): a is newer than b when the 32-bit
+ * difference is nonzero and its top bit clear (2^31 apart counts as older). */
+static inline int round_newer(uint32_t a, uint32_t b)
+{
+	uint32_t d = a - b;
+	return d != 0 && (d >> 31) == 0;
+}
+
 /* Offsets inside the AGG header (docs/protocol.md §2). */
 enum {
 	H_VER_TYPE = 0, H_FLAGS = 1, H_JOB = 2, H_SLOT = 4, H_WORKER = 6,
@@ -51,15 +70,16 @@ enum {
 
 /* A slot keeps its sums split by nibble (agg_core.h, struct agg_copy): packed
  * byte j holds values 2j (high nibble) and 2j+1 (low nibble), which add into
- * sums[j] and sums[AGG_SUMS_ODD + j]. A table lookup of 32 high or 32 low
- * nibbles is then already 32 consecutive lanes: no shuffling back into value
- * order per contribution, only once per result (agg_sums_to_values). */
+ * sums[j] and sums[odd_at + j] (odd_at: the job's sums_odd). A table lookup of
+ * 32 high or 32 low nibbles is then already 32 consecutive lanes: no shuffling
+ * back into value order per contribution, only once per result
+ * (agg_sums_to_values). */
 
-static inline void add_pair_scalar(uint8_t *sums, const uint8_t *packed, uint32_t j,
-				   const uint8_t *table, int store)
+static inline void add_pair_scalar(uint8_t *sums, uint32_t odd_at, const uint8_t *packed,
+				   uint32_t j, const uint8_t *table, int store)
 {
 	uint8_t b = packed[j];
-	uint8_t *even = sums + j, *odd = sums + AGG_SUMS_ODD + j;
+	uint8_t *even = sums + j, *odd = sums + odd_at + j;
 	*even = (uint8_t)((store ? 0 : *even) + table[b >> 4]);
 	*odd = (uint8_t)((store ? 0 : *odd) + table[b & 0x0f]);
 }
@@ -91,8 +111,8 @@ static inline void add_word_swar(uint8_t *lanes, uint64_t add)
 
 /* The portable kernel: one 256-entry lookup per packed byte gives both lanes;
  * eight lookups fill a 64-bit word of even and one of odd lanes, added with SWAR. */
-void agg_add_lanes_lut(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
-		       const uint16_t *pair_lut, const uint8_t *table)
+void agg_add_lanes_lut(uint8_t *sums, uint32_t odd_at, const uint8_t *packed,
+		       uint32_t num_values, const uint16_t *pair_lut, const uint8_t *table)
 {
 	uint32_t pairs = num_values / 2, j = 0;
 	for (; j + 8 <= pairs; j += 8) {
@@ -103,31 +123,32 @@ void agg_add_lanes_lut(uint8_t *sums, const uint8_t *packed, uint32_t num_values
 			odd |= (uint64_t)(v >> 8) << (8 * k);
 		}
 		add_word_swar(sums + j, even);
-		add_word_swar(sums + AGG_SUMS_ODD + j, odd);
+		add_word_swar(sums + odd_at + j, odd);
 	}
 	for (; j < pairs; j++) {
 		uint16_t v = pair_lut[packed[j]];
 		sums[j] = (uint8_t)(sums[j] + (v & 0xff));
-		sums[AGG_SUMS_ODD + j] = (uint8_t)(sums[AGG_SUMS_ODD + j] + (v >> 8));
+		sums[odd_at + j] = (uint8_t)(sums[odd_at + j] + (v >> 8));
 	}
 	add_last_even(sums, packed, num_values, table, 0);
 }
 
 #ifndef __SSSE3__
-static void lanes_scalar(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
-			 const uint8_t *table, int store)
+static void lanes_scalar(uint8_t *sums, uint32_t odd_at, const uint8_t *packed,
+			 uint32_t num_values, const uint8_t *table, int store)
 {
 	for (uint32_t j = 0; j < num_values / 2; j++)
-		add_pair_scalar(sums, packed, j, table, store);
+		add_pair_scalar(sums, odd_at, packed, j, table, store);
 	add_last_even(sums, packed, num_values, table, store);
 }
 #endif
 
-static void sums_to_values_scalar(uint8_t *out, const uint8_t *sums, uint32_t num_values)
+static void sums_to_values_scalar(uint8_t *out, const uint8_t *sums, uint32_t odd_at,
+				  uint32_t num_values)
 {
 	for (uint32_t j = 0; j < num_values / 2; j++) {
 		out[2 * j] = sums[j];
-		out[2 * j + 1] = sums[AGG_SUMS_ODD + j];
+		out[2 * j + 1] = sums[odd_at + j];
 	}
 	if (num_values & 1)
 		out[num_values - 1] = sums[num_values / 2];
@@ -137,7 +158,7 @@ static void sums_to_values_scalar(uint8_t *out, const uint8_t *sums, uint32_t nu
 /* 32 lanes per step: pshufb looks the 16-entry table up for 16 high and 16 low
  * nibbles at once; paddb wraps each lane mod 256 like the scalar kernel. */
 static inline __attribute__((always_inline))
-void lanes_ssse3(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+void lanes_ssse3(uint8_t *sums, uint32_t odd_at, const uint8_t *packed, uint32_t num_values,
 		 const uint8_t *table, const int store)
 {
 	const __m128i t = _mm_loadu_si128((const __m128i *)table);
@@ -147,7 +168,7 @@ void lanes_ssse3(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		__m128i b = _mm_loadu_si128((const __m128i *)(packed + j));
 		__m128i hi = _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
 		__m128i lo = _mm_shuffle_epi8(t, _mm_and_si128(b, nibble));
-		__m128i *even = (__m128i *)(sums + j), *odd = (__m128i *)(sums + AGG_SUMS_ODD + j);
+		__m128i *even = (__m128i *)(sums + j), *odd = (__m128i *)(sums + odd_at + j);
 		if (!store) {
 			hi = _mm_add_epi8(_mm_loadu_si128(even), hi);
 			lo = _mm_add_epi8(_mm_loadu_si128(odd), lo);
@@ -156,20 +177,21 @@ void lanes_ssse3(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		_mm_storeu_si128(odd, lo);
 	}
 	for (; j < pairs; j++)
-		add_pair_scalar(sums, packed, j, table, store);
+		add_pair_scalar(sums, odd_at, packed, j, table, store);
 	add_last_even(sums, packed, num_values, table, store);
 }
 
-static void sums_to_values_ssse3(uint8_t *out, const uint8_t *sums, uint32_t num_values)
+static void sums_to_values_ssse3(uint8_t *out, const uint8_t *sums, uint32_t odd_at,
+				 uint32_t num_values)
 {
 	uint32_t pairs = num_values / 2, j = 0;
 	for (; j + 16 <= pairs; j += 16) {
 		__m128i e = _mm_loadu_si128((const __m128i *)(sums + j));
-		__m128i o = _mm_loadu_si128((const __m128i *)(sums + AGG_SUMS_ODD + j));
+		__m128i o = _mm_loadu_si128((const __m128i *)(sums + odd_at + j));
 		_mm_storeu_si128((__m128i *)(out + 2 * j), _mm_unpacklo_epi8(e, o));
 		_mm_storeu_si128((__m128i *)(out + 2 * j + 16), _mm_unpackhi_epi8(e, o));
 	}
-	sums_to_values_scalar(out + 2 * j, sums + j, num_values - 2 * j);
+	sums_to_values_scalar(out + 2 * j, sums + j, odd_at, num_values - 2 * j);
 }
 #endif
 
@@ -177,7 +199,8 @@ static void sums_to_values_ssse3(uint8_t *out, const uint8_t *sums, uint32_t num
 #include <immintrin.h>
 /* The same steps on 64 lanes (AVX2), chosen at run time where the CPU has it. */
 __attribute__((target("avx2"), always_inline))
-static inline void lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+static inline void lanes_avx2(uint8_t *sums, uint32_t odd_at,
+			      const uint8_t *packed, uint32_t num_values,
 			      const uint8_t *table, const int store)
 {
 	const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table));
@@ -187,7 +210,7 @@ static inline void lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num
 		__m256i b = _mm256_loadu_si256((const __m256i *)(packed + j));
 		__m256i hi = _mm256_shuffle_epi8(t, _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble));
 		__m256i lo = _mm256_shuffle_epi8(t, _mm256_and_si256(b, nibble));
-		__m256i *even = (__m256i *)(sums + j), *odd = (__m256i *)(sums + AGG_SUMS_ODD + j);
+		__m256i *even = (__m256i *)(sums + j), *odd = (__m256i *)(sums + odd_at + j);
 		if (!store) {
 			hi = _mm256_add_epi8(_mm256_loadu_si256(even), hi);
 			lo = _mm256_add_epi8(_mm256_loadu_si256(odd), lo);
@@ -196,42 +219,46 @@ static inline void lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num
 		_mm256_storeu_si256(odd, lo);
 	}
 	if (j < pairs || (num_values & 1))
-		lanes_ssse3(sums + j, packed + j, num_values - 2 * j, table, store);
+		lanes_ssse3(sums + j, odd_at, packed + j, num_values - 2 * j, table, store);
 }
 
 __attribute__((target("avx2")))
-static void add_lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+static void add_lanes_avx2(uint8_t *sums, uint32_t odd_at,
+			   const uint8_t *packed, uint32_t num_values,
 			   const uint8_t *table)
 {
-	lanes_avx2(sums, packed, num_values, table, 0);
+	lanes_avx2(sums, odd_at, packed, num_values, table, 0);
 }
 
 __attribute__((target("avx2")))
-static void store_lanes_avx2(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+static void store_lanes_avx2(uint8_t *sums, uint32_t odd_at,
+			     const uint8_t *packed, uint32_t num_values,
 			     const uint8_t *table)
 {
-	lanes_avx2(sums, packed, num_values, table, 1);
+	lanes_avx2(sums, odd_at, packed, num_values, table, 1);
 }
 
 /* unpack works per 128-bit half, so the two halves are put back in order. */
 __attribute__((target("avx2")))
-static void sums_to_values_avx2(uint8_t *out, const uint8_t *sums, uint32_t num_values)
+static void sums_to_values_avx2(uint8_t *out, const uint8_t *sums, uint32_t odd_at,
+				uint32_t num_values)
 {
 	uint32_t pairs = num_values / 2, j = 0;
 	for (; j + 32 <= pairs; j += 32) {
 		__m256i e = _mm256_loadu_si256((const __m256i *)(sums + j));
-		__m256i o = _mm256_loadu_si256((const __m256i *)(sums + AGG_SUMS_ODD + j));
+		__m256i o = _mm256_loadu_si256((const __m256i *)(sums + odd_at + j));
 		__m256i a = _mm256_unpacklo_epi8(e, o);   /* values 0-15 | 32-47 */
 		__m256i c = _mm256_unpackhi_epi8(e, o);   /* values 16-31 | 48-63 */
 		_mm256_storeu_si256((__m256i *)(out + 2 * j), _mm256_permute2x128_si256(a, c, 0x20));
 		_mm256_storeu_si256((__m256i *)(out + 2 * j + 32), _mm256_permute2x128_si256(a, c, 0x31));
 	}
-	sums_to_values_ssse3(out + 2 * j, sums + j, num_values - 2 * j);
+	sums_to_values_ssse3(out + 2 * j, sums + j, odd_at, num_values - 2 * j);
 }
 
 /* 128 lanes per step where the CPU has AVX-512BW. */
 __attribute__((target("avx512bw,avx2"), always_inline))
-static inline void lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+static inline void lanes_avx512(uint8_t *sums, uint32_t odd_at,
+				const uint8_t *packed, uint32_t num_values,
 				const uint8_t *table, const int store)
 {
 	const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
@@ -241,7 +268,7 @@ static inline void lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t n
 		__m512i b = _mm512_loadu_si512((const void *)(packed + j));
 		__m512i hi = _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble));
 		__m512i lo = _mm512_shuffle_epi8(t, _mm512_and_si512(b, nibble));
-		uint8_t *even = sums + j, *odd = sums + AGG_SUMS_ODD + j;
+		uint8_t *even = sums + j, *odd = sums + odd_at + j;
 		if (!store) {
 			hi = _mm512_add_epi8(_mm512_loadu_si512((const void *)even), hi);
 			lo = _mm512_add_epi8(_mm512_loadu_si512((const void *)odd), lo);
@@ -250,21 +277,23 @@ static inline void lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t n
 		_mm512_storeu_si512((void *)odd, lo);
 	}
 	if (j < pairs || (num_values & 1))
-		lanes_avx2(sums + j, packed + j, num_values - 2 * j, table, store);
+		lanes_avx2(sums + j, odd_at, packed + j, num_values - 2 * j, table, store);
 }
 
 __attribute__((target("avx512bw,avx2")))
-static void add_lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+static void add_lanes_avx512(uint8_t *sums, uint32_t odd_at,
+			     const uint8_t *packed, uint32_t num_values,
 			     const uint8_t *table)
 {
-	lanes_avx512(sums, packed, num_values, table, 0);
+	lanes_avx512(sums, odd_at, packed, num_values, table, 0);
 }
 
 __attribute__((target("avx512bw,avx2")))
-static void store_lanes_avx512(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
+static void store_lanes_avx512(uint8_t *sums, uint32_t odd_at,
+			       const uint8_t *packed, uint32_t num_values,
 			       const uint8_t *table)
 {
-	lanes_avx512(sums, packed, num_values, table, 1);
+	lanes_avx512(sums, odd_at, packed, num_values, table, 1);
 }
 
 enum simd_level { SIMD_SSSE3, SIMD_AVX2, SIMD_AVX512 };
@@ -296,46 +325,48 @@ static inline enum simd_level cpu_simd_level(void)
 void agg_add_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		   const struct agg_job *job)
 {
+	const uint32_t odd_at = job->sums_odd;
 #if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
 	switch (cpu_simd_level()) {
-	case SIMD_AVX512: add_lanes_avx512(sums, packed, num_values, job->table); return;
-	case SIMD_AVX2: add_lanes_avx2(sums, packed, num_values, job->table); return;
-	default: lanes_ssse3(sums, packed, num_values, job->table, 0); return;
+	case SIMD_AVX512: add_lanes_avx512(sums, odd_at, packed, num_values, job->table); return;
+	case SIMD_AVX2: add_lanes_avx2(sums, odd_at, packed, num_values, job->table); return;
+	default: lanes_ssse3(sums, odd_at, packed, num_values, job->table, 0); return;
 	}
 #elif defined(__SSSE3__)
-	lanes_ssse3(sums, packed, num_values, job->table, 0);
+	lanes_ssse3(sums, odd_at, packed, num_values, job->table, 0);
 #else
-	agg_add_lanes_lut(sums, packed, num_values, job->pair_lut, job->table);
+	agg_add_lanes_lut(sums, odd_at, packed, num_values, job->pair_lut, job->table);
 #endif
 }
 
 void agg_store_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		     const struct agg_job *job)
 {
+	const uint32_t odd_at = job->sums_odd;
 #if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
 	switch (cpu_simd_level()) {
-	case SIMD_AVX512: store_lanes_avx512(sums, packed, num_values, job->table); return;
-	case SIMD_AVX2: store_lanes_avx2(sums, packed, num_values, job->table); return;
-	default: lanes_ssse3(sums, packed, num_values, job->table, 1); return;
+	case SIMD_AVX512: store_lanes_avx512(sums, odd_at, packed, num_values, job->table); return;
+	case SIMD_AVX2: store_lanes_avx2(sums, odd_at, packed, num_values, job->table); return;
+	default: lanes_ssse3(sums, odd_at, packed, num_values, job->table, 1); return;
 	}
 #elif defined(__SSSE3__)
-	lanes_ssse3(sums, packed, num_values, job->table, 1);
+	lanes_ssse3(sums, odd_at, packed, num_values, job->table, 1);
 #else
-	lanes_scalar(sums, packed, num_values, job->table, 1);
+	lanes_scalar(sums, odd_at, packed, num_values, job->table, 1);
 #endif
 }
 
-void agg_sums_to_values(uint8_t *out, const uint8_t *sums, uint32_t num_values)
+void agg_sums_to_values(uint8_t *out, const uint8_t *sums, uint32_t odd_at, uint32_t num_values)
 {
 #if defined(__SSSE3__) && defined(__x86_64__) && defined(__GNUC__)
 	if (cpu_simd_level() >= SIMD_AVX2)
-		sums_to_values_avx2(out, sums, num_values);
+		sums_to_values_avx2(out, sums, odd_at, num_values);
 	else
-		sums_to_values_ssse3(out, sums, num_values);
+		sums_to_values_ssse3(out, sums, odd_at, num_values);
 #elif defined(__SSSE3__)
-	sums_to_values_ssse3(out, sums, num_values);
+	sums_to_values_ssse3(out, sums, odd_at, num_values);
 #else
-	sums_to_values_scalar(out, sums, num_values);
+	sums_to_values_scalar(out, sums, odd_at, num_values);
 #endif
 }
 
@@ -367,11 +398,13 @@ void agg_switch_ready(struct agg_switch *sw)
 	for (uint32_t j = 0; j < sw->num_jobs; j++) {
 		struct agg_job *job = &sw->jobs[j];
 		job->num_members = 0;
+		job->member_mask = 0;
 		for (uint32_t w = 0; w < AGG_MAX_WORKERS; w++) {
 			struct agg_member *m = &job->members[w];
 			if (!m->valid)
 				continue;
 			job->member_ids[job->num_members++] = (uint8_t)w;
+			job->member_mask |= 1u << w;
 			uint8_t *f = m->l2l4, *ip = f + ETH_HLEN_, *udp = ip + IPV4_HLEN_;
 			memset(f, 0, AGG_L2L4_LEN);
 			memcpy(f, m->mac, 6);
@@ -431,7 +464,7 @@ static uint8_t *emit_result(const struct agg_job *job, uint16_t slot,
 	if (f == NULL)
 		return NULL;
 	write_result_headers(job, slot, cp, w, flags, tos, f);
-	agg_sums_to_values(f + AGG_MIN_FRAME, cp->sums, cp->num_values);
+	agg_sums_to_values(f + AGG_MIN_FRAME, cp->sums, job->sums_odd, cp->num_values);
 	return f;
 }
 
@@ -481,15 +514,37 @@ static void emit_straggler(const struct agg_job *job,
 	h[H_COUNT] = cp->count;
 }
 
+/* ---- slot storage -------------------------------------------------------- */
+
+uint32_t agg_sums_odd_for(uint32_t values_per_packet)
+{
+	/* Even values take ceil(n/2) lanes; the odd ones start at the next cache line. */
+	return ((values_per_packet + 1) / 2 + 63) & ~63u;
+}
+
+int agg_job_alloc_slots(struct agg_job *job)
+{
+	job->sums_odd = agg_sums_odd_for(job->values_per_packet);
+	job->copy_stride = sizeof(struct agg_copy) + 2 * (size_t)job->sums_odd;
+	size_t bytes = (size_t)job->pool_size * 2 * job->copy_stride;
+	/* calloc (lazily zeroed pages for large pools), aligned by hand for the
+	 * 64-byte copies. */
+	job->slots_mem = calloc(1, bytes + 63);
+	if (job->slots_mem == NULL)
+		return -1;
+	job->slots = (uint8_t *)(((uintptr_t)job->slots_mem + 63) & ~(uintptr_t)63);
+	return 0;
+}
+
 /* ---- the slot state machine (§4.2) -------------------------------------- */
 
 /* Zero the lanes of values [from, to) in the split layout. */
-static void zero_lanes(uint8_t *sums, uint32_t from, uint32_t to)
+static void zero_lanes(uint8_t *sums, uint32_t odd_at, uint32_t from, uint32_t to)
 {
 	uint32_t even_from = (from + 1) / 2, even_to = (to + 1) / 2;
 	uint32_t odd_from = from / 2, odd_to = to / 2;
 	memset(sums + even_from, 0, even_to - even_from);
-	memset(sums + AGG_SUMS_ODD + odd_from, 0, odd_to - odd_from);
+	memset(sums + odd_at + odd_from, 0, odd_to - odd_from);
 }
 
 static int copy_complete(const struct agg_copy *cp)
@@ -506,16 +561,16 @@ static void process_data(struct agg_job *job, const uint8_t *h,
 	uint8_t w = h[H_WORKER];
 	uint32_t r = rd32(h + H_ROUND);
 	uint32_t bit = 1u << w;
-	struct agg_copy *cp = &job->slots[slot].copy[r & 1];
+	struct agg_copy *cp = agg_copy_of(job, slot, r & 1);
 
-	if (r > cp->round || cp->bitmap == 0) {
+	if (cp->bitmap == 0 || round_newer(r, cp->round)) {
 		/* A new round in this copy: sums = 0 is folded into the first
 		 * contribution below (it stores instead of adding). */
 		cp->round = r;
 		cp->bitmap = 0;
 		cp->count = 0;
 		cp->done = 0;
-	} else if (r < cp->round) {
+	} else if (r != cp->round) {
 		job->c.straggler_notices++;
 		emit_straggler(job, h, cp, w, tos, em);
 		return;
@@ -544,7 +599,7 @@ static void process_data(struct agg_job *job, const uint8_t *h,
 	} else {
 		if (nv > cp->extent) {
 			/* Lanes no earlier contribution reached start from 0. */
-			zero_lanes(cp->sums, cp->extent, nv);
+			zero_lanes(cp->sums, job->sums_odd, cp->extent, nv);
 			cp->extent = nv;
 		}
 		agg_add_lanes(cp->sums, payload, nv, job);
@@ -617,6 +672,52 @@ static int is_aggregation_packet(const uint8_t *frame, uint32_t len)
 	return (rd16(ip + IPV4_HLEN_ + 2) & AGG_PORT_MASK) == AGG_PORT_BASE;
 }
 
+#define IP_MF          0x2000u
+#define IP_FRAG_OFFSET 0x1fffu
+
+/* An IPv4 fragment (MF set or a nonzero offset), or 0 for anything else. */
+static inline int is_ipv4_fragment(const uint8_t *frame, uint32_t len)
+{
+	return len >= ETH_HLEN_ + IPV4_HLEN_ && rd16(frame + 12) == 0x0800 &&
+	       (frame[ETH_HLEN_] >> 4) == 4 && (rd16(frame + ETH_HLEN_ + 6) & (IP_MF | IP_FRAG_OFFSET));
+}
+
+/* A fragment aimed at the aggregator (§4.1): a first fragment that would be an
+ * aggregation packet, or any fragment to the switch's own address (a non-first
+ * fragment carries no UDP header to look at). */
+static int fragment_for_aggregator(const struct agg_switch *sw, const uint8_t *frame,
+				   uint32_t len)
+{
+	const uint8_t *ip = frame + ETH_HLEN_;
+	if (rd32(ip + 16) == sw->ip)
+		return 1;
+	return (rd16(ip + 6) & IP_FRAG_OFFSET) == 0 && is_aggregation_packet(frame, len);
+}
+
+/* The member's whole address (§4.1, R2): the (job, worker) entry exists and the
+ * packet came in on its port from its MAC, IPv4 address and UDP port. */
+static inline int from_member(const struct agg_job *job, uint8_t w, uint16_t in_port,
+			      const uint8_t *frame)
+{
+	if (w >= AGG_MAX_WORKERS)
+		return 0;
+	const struct agg_member *m = &job->members[w];
+	const uint8_t *ip = frame + ETH_HLEN_;
+	return m->valid && m->port == in_port && memcmp(frame + 6, m->mac, 6) == 0 &&
+	       rd32(ip + 12) == m->ip && rd16(ip + IPV4_HLEN_) == m->udp_port;
+}
+
+/* A DATA that could never complete (§4.1, R3): expected names a non-member, or
+ * min_count exceeds the workers who may contribute. */
+static inline int unsatisfiable(const struct agg_job *job, uint32_t expected, uint8_t min_count)
+{
+	if (expected & ~job->member_mask)
+		return 1;
+	uint32_t can_contribute = expected ? (uint32_t)__builtin_popcount(expected)
+					   : job->num_members;
+	return min_count > can_contribute;
+}
+
 /* Length rules: IPv4 total = 20 + UDP length, UDP length within the frame and
  * exactly what the type's payload needs. */
 static int lengths_valid(const uint8_t *frame, uint32_t len, uint8_t type, uint16_t nv)
@@ -629,7 +730,7 @@ static int lengths_valid(const uint8_t *frame, uint32_t len, uint8_t type, uint1
 		return 0;
 	if (type == AGG_TYPE_DATA) {
 		if (nv == 0 || nv > AGG_MAX_VALUES)
-			return 0;
+			return 0;   /* the job's own, lower limit is checked once it is known */
 		return udp_len == UDP_HLEN_ + AGG_HEADER_LEN + (nv + 1u) / 2;
 	}
 	/* FLUSH: no payload. Its num_values is not checked (the reference does not). */
@@ -650,17 +751,24 @@ void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t le
 	uint16_t slot = rd16(h + H_SLOT);
 	if (slot >= job->pool_size)
 		return;
-	const struct agg_copy *cp = &job->slots[slot].copy[h[H_ROUND + 3] & 1];
+	const struct agg_copy *cp = agg_copy_of(job, slot, h[H_ROUND + 3] & 1);
 	/* The state, and the heads of the two streams the kernels walk (even and
 	 * odd values): the hardware prefetcher follows on from there. */
 	__builtin_prefetch(cp, 1);
 	__builtin_prefetch(cp->sums, 1);
-	__builtin_prefetch(cp->sums + AGG_SUMS_ODD, 1);
+	__builtin_prefetch(cp->sums + job->sums_odd, 1);
 }
 
 enum agg_verdict agg_process(struct agg_switch *sw, uint16_t in_port, uint8_t *frame,
 			     uint32_t len, const struct agg_emitter *em, uint16_t *out_port)
 {
+	if (is_ipv4_fragment(frame, len)) {
+		if (fragment_for_aggregator(sw, frame, len)) {
+			sw->g.drop_fragment++;
+			return AGG_CONSUMED;
+		}
+		return forward_ordinary(sw, frame, len, out_port);
+	}
 	if (!is_aggregation_packet(frame, len))
 		return forward_ordinary(sw, frame, len, out_port);
 	if (len < AGG_MIN_FRAME) {
@@ -687,25 +795,38 @@ enum agg_verdict agg_process(struct agg_switch *sw, uint16_t in_port, uint8_t *f
 		return AGG_CONSUMED;
 	}
 	struct agg_job *job = &sw->jobs[ji];
-	if (rd16(h + H_SLOT) >= job->pool_size) {
+	if (type == AGG_TYPE_DATA && rd16(h + H_NUM_VALUES) > job->values_per_packet) {
+		sw->g.drop_bad_length++;
+		return AGG_CONSUMED;
+	}
+	uint16_t slot = rd16(h + H_SLOT);
+	if (slot >= job->pool_size) {
 		job->c.drop_bad_slot++;
 		return AGG_CONSUMED;
 	}
 	uint8_t w = h[H_WORKER];
-	if (w >= AGG_MAX_WORKERS || !job->members[w].valid || job->members[w].port != in_port) {
+	if (!from_member(job, w, in_port, frame)) {
 		job->c.drop_not_member++;
 		return AGG_CONSUMED;
 	}
 	uint32_t expected = rd32(h + H_EXPECTED);
-	if (type == AGG_TYPE_DATA &&
-	    ((expected == 0 && h[H_MIN_COUNT] == 0) ||
-	     (expected != 0 && !(expected & (1u << w))))) {
-		job->c.drop_bad_expected++;
-		return AGG_CONSUMED;
+	if (type == AGG_TYPE_DATA) {
+		if ((expected == 0 && h[H_MIN_COUNT] == 0) ||
+		    (expected != 0 && !(expected & (1u << w)))) {
+			job->c.drop_bad_expected++;
+			return AGG_CONSUMED;
+		}
+		if (unsatisfiable(job, expected, h[H_MIN_COUNT])) {
+			job->c.drop_unsatisfiable++;
+			return AGG_CONSUMED;
+		}
 	}
 	job->c.rx++;
 	if (type == AGG_TYPE_FLUSH) {
-		memset(&job->slots[rd16(h + H_SLOT)], 0, sizeof(struct agg_slot));
+		/* Both copies empty: the next DATA starts a round and stores its
+		 * values, so stale sums need no clearing (extent does the rest). */
+		for (uint32_t parity = 0; parity < 2; parity++)
+			memset(agg_copy_of(job, slot, parity), 0, sizeof(struct agg_copy));
 		job->c.flushes++;
 		return AGG_CONSUMED;
 	}
@@ -771,8 +892,9 @@ int dlcp_admit(struct agg_switch *sw, struct dlcp_port *p, uint8_t *frame, uint3
 			return -1;
 		}
 		if ((ip[1] & 3) != 3) {
+			uint16_t old_word = rd16(ip);
 			ip[1] |= 3;
-			wr16(ip + 10, ipv4_checksum(ip));
+			wr16(ip + 10, checksum_update(rd16(ip + 10), old_word, rd16(ip)));
 			sw->g.dlcp_ce_marked++;
 		}
 	}

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: BSD-3-Clause
  *
- * THC-INA switch core: the wire protocol of docs/protocol.md (v1) on plain byte
+ * THC-INA switch core: the wire protocol of docs/protocol.md (v2) on plain byte
  * buffers. Nothing here depends on DPDK, so the same code runs in the DPDK
  * application (main.c), in the sanitizer fuzz harness (fuzz_harness.c) and in the
  * benchmark. The caller owns packet buffers; the core parses, validates, updates
@@ -12,12 +12,11 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#define AGG_VERSION        1
+#define AGG_VERSION        2
 #define AGG_PORT_BASE      50000u
 #define AGG_PORT_MASK      0xFFF0u
 #define AGG_HEADER_LEN     32u
-#define AGG_MAX_VALUES     1024u
-#define AGG_SUMS_ODD       (AGG_MAX_VALUES / 2)   /* where a copy's odd values start */
+#define AGG_MAX_VALUES     8192u   /* a job's values_per_packet is at most this */
 #define AGG_MAX_WORKERS    32u
 #define AGG_MAX_SLOTS      65536u
 #define AGG_MAX_PORTS      32u
@@ -39,18 +38,19 @@
 #define UDP_HLEN_          8u
 #define AGG_L2L4_LEN       (ETH_HLEN_ + IPV4_HLEN_ + UDP_HLEN_)   /* 42 */
 #define AGG_MIN_FRAME      (AGG_L2L4_LEN + AGG_HEADER_LEN)        /* 74 */
+#define AGG_MAX_FRAME      (AGG_MIN_FRAME + AGG_MAX_VALUES)       /* 8266: the largest RESULT */
 
 /* Per-job counters, docs/protocol.md §4.5 (names match the JSON keys). */
 #define AGG_JOB_COUNTERS(X) \
 	X(rx) X(aggregated) X(results_multicast) X(results_reserved) \
 	X(straggler_notices) X(flushes) X(drop_bad_slot) X(drop_not_member) \
-	X(drop_bad_expected) X(drop_duplicate)
+	X(drop_bad_expected) X(drop_unsatisfiable) X(drop_duplicate)
 
 /* Global counters, docs/protocol.md §4.5. */
 #define AGG_GLOBAL_COUNTERS(X) \
-	X(drop_truncated) X(drop_bad_version) X(drop_bad_type) X(drop_bad_length) \
-	X(drop_unknown_job) X(drop_not_routable) X(dlcp_selective_drop) \
-	X(dlcp_buffer_drop) X(dlcp_ce_marked) X(forwarded)
+	X(drop_fragment) X(drop_truncated) X(drop_bad_version) X(drop_bad_type) \
+	X(drop_bad_length) X(drop_unknown_job) X(drop_not_routable) \
+	X(dlcp_selective_drop) X(dlcp_buffer_drop) X(dlcp_ce_marked) X(forwarded)
 
 #define AGG_DECLARE_COUNTER(name) uint64_t name;
 
@@ -70,7 +70,8 @@ struct agg_member {
 };
 
 /* One of the two copies of a slot (selected by round parity). The header fields
- * of the completing packet are kept so a re-serve can rebuild the result. */
+ * of the completing packet are kept so a re-serve can rebuild the result. A job's
+ * copies lie copy_stride bytes apart, each followed by its sums. */
 struct agg_copy {
 	uint32_t round;
 	uint32_t bitmap;
@@ -84,29 +85,43 @@ struct agg_copy {
 	/* Lanes [0, extent) hold this round's sums; the rest are stale and are
 	 * zeroed only when a contribution reaches past them. */
 	uint16_t extent;
-	/* Split by nibble: value 2j's sum at sums[j], value 2j+1's at
-	 * sums[AGG_SUMS_ODD + j] (see the lane kernels; agg_sums_to_values gives
-	 * value order). */
-	uint8_t  sums[AGG_MAX_VALUES] __attribute__((aligned(64)));
-};
-
-struct agg_slot {
-	struct agg_copy copy[2];
+	/* The job's values_per_packet lanes, split by nibble: value 2j's sum at
+	 * sums[j], value 2j+1's at sums[job->sums_odd + j] (see the lane kernels;
+	 * agg_sums_to_values gives value order). */
+	uint8_t  sums[] __attribute__((aligned(64)));
 };
 
 struct agg_job {
 	uint16_t id;
 	uint32_t pool_size;
+	uint32_t values_per_packet;   /* the most values a DATA of the job may carry */
+	uint32_t sums_odd;      /* where a copy's odd values start (64-byte multiple) */
+	size_t   copy_stride;   /* bytes from one copy to the next: header and sums */
 	uint8_t  table[AGG_TABLE_SIZE];
 	/* pair_lut[b]: the table values of both nibbles of packed byte b, the even
 	 * value (high nibble) in the low byte: two 8-bit lanes per lookup. */
 	uint16_t pair_lut[256];
 	struct agg_member members[AGG_MAX_WORKERS];
 	uint32_t num_members;
+	uint32_t member_mask;                   /* bit w set for each member w */
 	uint8_t  member_ids[AGG_MAX_WORKERS];   /* valid worker ids, ascending */
-	struct agg_slot *slots;
+	/* 2 * pool_size copies of copy_stride bytes, 64-byte aligned inside
+	 * slots_mem (calloc: untouched slots cost no memory until a round uses them). */
+	uint8_t *slots;
+	void    *slots_mem;
 	struct agg_job_counters c;
 };
+
+/* Copy `parity` (round & 1) of a slot. */
+static inline struct agg_copy *agg_copy_of(const struct agg_job *job, uint32_t slot,
+					   uint32_t parity)
+{
+	return (struct agg_copy *)(job->slots + ((size_t)slot * 2 + parity) * job->copy_stride);
+}
+
+/* Storage of a job sized by its values_per_packet (sets sums_odd, copy_stride,
+ * slots). Returns 0, or -1 when out of memory. */
+int agg_job_alloc_slots(struct agg_job *job);
 
 #define AGG_MAX_NEXT_HOPS  8u
 
@@ -191,10 +206,11 @@ void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t le
 
 /* Lane kernels (exported so the fuzz harness can check they agree). They work
  * on the split layout of agg_copy.sums: even values in sums[0..], odd values
- * in sums[AGG_SUMS_ODD..]. The SIMD level is the best the CPU has, capped by
- * the environment variable AGG_SIMD_MAX=ssse3|avx2 (to test every level). */
-void agg_add_lanes_lut(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
-		       const uint16_t *pair_lut, const uint8_t *table);
+ * in sums[odd_at..] (a job's sums_odd). The SIMD level is the best the CPU
+ * has, capped by the environment variable AGG_SIMD_MAX=ssse3|avx2 (to test
+ * every level). */
+void agg_add_lanes_lut(uint8_t *sums, uint32_t odd_at, const uint8_t *packed,
+		       uint32_t num_values, const uint16_t *pair_lut, const uint8_t *table);
 void agg_add_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		   const struct agg_job *job);
 /* sums = T[idx] for the num_values values (a round's first contribution);
@@ -202,7 +218,10 @@ void agg_add_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 void agg_store_lanes(uint8_t *sums, const uint8_t *packed, uint32_t num_values,
 		     const struct agg_job *job);
 /* out[i] = value i's sum for i < num_values: split layout back to value order. */
-void agg_sums_to_values(uint8_t *out, const uint8_t *sums, uint32_t num_values);
+void agg_sums_to_values(uint8_t *out, const uint8_t *sums, uint32_t odd_at,
+			uint32_t num_values);
+/* Where the odd values start for a job of values_per_packet values. */
+uint32_t agg_sums_odd_for(uint32_t values_per_packet);
 
 /* DLCP egress (docs/protocol.md §6): 8 strict-priority FIFOs per port. */
 struct dlcp_queue {

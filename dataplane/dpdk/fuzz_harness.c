@@ -25,12 +25,15 @@
 
 #define MAX_OUT 64
 
+/* Room for the input frame, and for the largest RESULT written over it. */
+#define FRAME_ROOM (AGG_MAX_FRAME + 64)
+
 struct capture {
-	uint8_t buf[MAX_OUT][2048];
+	uint8_t buf[MAX_OUT][AGG_MAX_FRAME];
 	uint16_t len[MAX_OUT];
 	uint16_t port[MAX_OUT];
 	int n;
-	uint8_t *input;         /* the frame being processed (2048 bytes of room) */
+	uint8_t *input;         /* the frame being processed (FRAME_ROOM bytes) */
 	int reused;             /* index of the emission in the input's buffer, or -1 */
 };
 
@@ -38,7 +41,7 @@ static uint8_t *capture_alloc(void *ctx, uint16_t port, uint16_t len)
 {
 	struct capture *c = ctx;
 	if (c->n == MAX_OUT || len > sizeof(c->buf[0]))
-		abort();   /* the core never emits more than 32 frames of 1098 bytes */
+		abort();   /* the core never emits more than 32 frames of AGG_MAX_FRAME bytes */
 	c->len[c->n] = len;
 	c->port[c->n] = port;
 	return c->buf[c->n++];
@@ -62,11 +65,11 @@ static uint8_t *capture_reuse_input(void *ctx, uint16_t port, uint16_t len)
 static const char FUZZ_CONFIG[] =
 	"switch 02:00:00:00:00:fe 10.0.0.254\n"
 	"capacity 4\n"
-	"job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
+	"job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
 	"member 1 0 0 02:00:00:00:01:01 10.0.1.17 41100\n"
 	"member 1 1 1 02:00:00:00:01:02 10.0.1.18 41101\n"
 	"member 1 5 1 02:00:00:00:01:06 10.0.1.22 41105\n"
-	"job 2 2 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15\n"
+	"job 2 2 40 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15\n"
 	"member 2 3 2 02:00:00:00:02:04 10.0.2.36 41203\n"
 	"route 10.0.0.0/8 2 02:00:00:00:00:aa\n"
 	"route 10.1.0.0/16 3 02:00:00:00:00:bb 4 02:00:00:00:00:cc 5 02:00:00:00:00:dd\n";
@@ -75,8 +78,8 @@ static uint64_t slots_checksum(const struct agg_switch *sw)
 {
 	uint64_t h = 1469598103934665603ULL;
 	for (uint32_t j = 0; j < sw->num_jobs; j++) {
-		const uint8_t *p = (const uint8_t *)sw->jobs[j].slots;
-		size_t n = sw->jobs[j].pool_size * sizeof(struct agg_slot);
+		const uint8_t *p = sw->jobs[j].slots;
+		size_t n = (size_t)sw->jobs[j].pool_size * 2 * sw->jobs[j].copy_stride;
 		for (size_t i = 0; i < n; i++)
 			h = (h ^ p[i]) * 1099511628211ULL;
 	}
@@ -112,7 +115,7 @@ static void check_emitted(const struct capture *c)
 static void run_frame(struct agg_switch *sw, uint16_t port, const uint8_t *data, size_t size,
 		      struct capture *cap)
 {
-	uint8_t frame[2048];
+	uint8_t frame[FRAME_ROOM];
 	uint16_t out_port = 0xffff;
 	if (size > sizeof(frame))
 		size = sizeof(frame);
@@ -134,22 +137,26 @@ static void run_frame(struct agg_switch *sw, uint16_t port, const uint8_t *data,
 	check_emitted(cap);
 }
 
-/* The SIMD kernels against the lookup kernel on the split layout, and the
+/* The SIMD kernels against the lookup kernel on the job's split layout, and the
  * layout against value order: value i of the packed bytes adds T[nibble i]. */
 static void check_kernels(const uint8_t *data, size_t size, const struct agg_job *job)
 {
-	uint8_t a[AGG_MAX_VALUES], b[AGG_MAX_VALUES], values[AGG_MAX_VALUES];
-	uint32_t nv = (uint32_t)(size * 2 > AGG_MAX_VALUES ? AGG_MAX_VALUES : size * 2);
+	static uint8_t a[AGG_MAX_VALUES], b[AGG_MAX_VALUES], values[AGG_MAX_VALUES];
+	const uint32_t odd_at = job->sums_odd, max = job->values_per_packet;
+	const size_t lanes = 2 * (size_t)odd_at;     /* one copy's sums */
+	uint32_t nv = (uint32_t)(size * 2 > max ? max : size * 2);
 	if (nv > 0 && (data[0] & 1))
 		nv--;   /* odd counts too: the last byte's low nibble is padding */
-	memset(a, 0x5a, sizeof(a));
-	memset(b, 0x5a, sizeof(b));
+	if (lanes > sizeof(a))
+		abort();
+	memset(a, 0x5a, lanes);
+	memset(b, 0x5a, lanes);
 	agg_add_lanes(a, data, nv, job);
-	agg_add_lanes_lut(b, data, nv, job->pair_lut, job->table);
-	if (memcmp(a, b, sizeof(a)) != 0)
+	agg_add_lanes_lut(b, odd_at, data, nv, job->pair_lut, job->table);
+	if (memcmp(a, b, lanes) != 0)
 		abort();
 	memset(values, 0xee, sizeof(values));
-	agg_sums_to_values(values, a, nv);
+	agg_sums_to_values(values, a, odd_at, nv);
 	for (uint32_t i = 0; i < AGG_MAX_VALUES; i++) {
 		uint8_t want = 0xee;
 		if (i < nv)
@@ -159,10 +166,10 @@ static void check_kernels(const uint8_t *data, size_t size, const struct agg_job
 	}
 	/* store = add onto zeros, and leaves the lanes past num_values alone */
 	memset(b, 0, (nv + 1) / 2);
-	memset(b + AGG_SUMS_ODD, 0, nv / 2);
-	agg_add_lanes_lut(b, data, nv, job->pair_lut, job->table);
+	memset(b + odd_at, 0, nv / 2);
+	agg_add_lanes_lut(b, odd_at, data, nv, job->pair_lut, job->table);
 	agg_store_lanes(a, data, nv, job);
-	if (memcmp(a, b, sizeof(a)) != 0)
+	if (memcmp(a, b, lanes) != 0)
 		abort();
 }
 

@@ -246,7 +246,8 @@ static uint8_t *emit_alloc(void *ctx, uint16_t port, uint16_t len)
 		return NULL;
 	}
 	char *data = rte_pktmbuf_append(m, len);
-	if (data == NULL) {
+	if (data == NULL) {            /* longer than an mbuf holds: counted, never cut */
+		a->ports[port].tx_oversize++;
 		rte_pktmbuf_free(m);
 		return NULL;
 	}
@@ -512,6 +513,16 @@ static int bench_setup(struct app *a)
 		return -1;
 	}
 	b->job = &a->sw.jobs[0];
+	/* Values per packet: the job's size unless --bench-values asks for fewer (a longer
+	 * DATA would only be counted drop_bad_length). */
+	if (a->bench_values == 0)
+		a->bench_values = b->job->values_per_packet;
+	if (a->bench_values > b->job->values_per_packet) {
+		fprintf(stderr, "thc_switch: --bench-values %u exceeds job %u's values_per_packet "
+			"%u: lower --bench-values or raise values_per_packet\n", a->bench_values,
+			b->job->id, b->job->values_per_packet);
+		return -1;
+	}
 	for (uint32_t w = 0; w < AGG_MAX_WORKERS; w++)
 		if (b->job->members[w].valid)
 			build_bench_template(a, b->job, w, &b->tmpl[b->nw++]);
@@ -1059,7 +1070,7 @@ static int parse_args(struct app *a, int argc, char **argv)
 	int opt;
 	for (int p = 0; p < (int)AGG_MAX_PORTS; p++)
 		a->ports[p].rate = RATE_UNLIMITED;
-	a->bench_values = AGG_MAX_VALUES;
+	a->bench_values = 0;            /* the job's values_per_packet (bench_setup) */
 	a->idle_sleep_max_us = IDLE_SLEEP_MAX_US;
 	while ((opt = getopt_long(argc, argv, "", opts, NULL)) != -1) {
 		switch (opt) {

@@ -1,4 +1,4 @@
-"""Packet building and parsing for the THC-INA wire protocol v1 (docs/protocol.md).
+"""Packet building and parsing for the THC-INA wire protocol v2 (docs/protocol.md).
 
 Two ways to make the same bytes: the scapy layer `AggHeader` (readable, used by tests,
 pcap tools and fuzzing) and the vectorized numpy codec (`encode_data`, `encode_results`,

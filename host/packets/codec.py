@@ -201,7 +201,7 @@ def scatter_payloads(bufs, lengths, headers, out, base_offset: int = 0) -> None:
     if out.dtype != np.uint8 or out.ndim != 1:
         raise ValueError(f"out must be a 1-D uint8 array, got {out.dtype} {out.shape}")
     rows = np.flatnonzero((header_types(headers) == TYPE_RESULT)
-                          & (header_versions(headers) == 1))
+                          & (header_versions(headers) == VERSION))
     if not len(rows):
         return
     nv = headers["num_values"][rows].astype(np.int64)

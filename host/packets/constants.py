@@ -1,9 +1,9 @@
-"""Wire constants of protocol v1 (docs/protocol.md §1-§2)."""
+"""Wire constants of protocol v2 (docs/protocol.md §1-§2)."""
 from __future__ import annotations
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2
 HEADER_LEN = 32
 
 TYPE_DATA = 0

@@ -95,12 +95,13 @@ def choose_switch(requested: str) -> str:
     return "reference"
 
 
-def make_config(n_hosts: int, pool_size: int) -> SwitchConfig:
-    """One job, worker w on host h{w+1} = switch port w, 10.0.0.(w+1)."""
+def make_config(n_hosts: int, pool_size: int, values_per_packet: int = 64) -> SwitchConfig:
+    """One job, worker w on host h{w+1} = switch port w, 10.0.0.(w+1); its packets carry
+    at most `values_per_packet` values (what the workers send)."""
     members = tuple(Member(worker=w, port=w, mac=f"02:00:00:00:01:{w + 1:02x}",
                            ip=f"10.0.0.{w + 1}", udp_port=WORKER_UDP_BASE + w)
                     for w in range(n_hosts))
-    job = Job.from_thc(JOB_ID, pool_size, members)
+    job = Job.from_thc(JOB_ID, pool_size, members, values_per_packet=values_per_packet)
     return SwitchConfig(mac="02:00:00:00:00:fe", ip="10.0.0.254", jobs=(job,)).validate()
 
 
@@ -193,7 +194,8 @@ class Testbed:
     def build(self) -> None:
         check_options(self.opts)
         self.kind = choose_switch(self.opts.switch)
-        self.config = make_config(self.opts.hosts, self.opts.pool_size)
+        self.config = make_config(self.opts.hosts, self.opts.pool_size,
+                                  self.opts.values_per_packet)
         self.config_path = self.config.save(self.workdir / "switch_config.json")
         Mininet, Host, Switch, TCLink = _classes()
         Mininet.inited = True      # skip Mininet.init's global sysctl tuning (shared machine)
@@ -266,8 +268,9 @@ class Testbed:
             from host.bmv2_switch import Bmv2StartError, Bmv2Switch, compile_program
             from host.p4control import DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4Controller
             compile_program()
-            switch = Bmv2Switch(dict(enumerate(self._switch_ports())),
-                                self.workdir / "bmv2.log", grpc_port=9559)
+            # A free gRPC port: gRPC servers share a port (SO_REUSEPORT), so a fixed one
+            # could reach a stale switch instead of this one.
+            switch = Bmv2Switch(dict(enumerate(self._switch_ports())), self.workdir / "bmv2.log")
             try:
                 switch.start()
             except Bmv2StartError as exc:
@@ -276,6 +279,7 @@ class Testbed:
             self.controller = P4Controller(switch.grpc_addr, timeout=20.0)
             self.controller.connect(DEFAULT_P4INFO, DEFAULT_BMV2_JSON)
             self.controller.install(self.config)
+            switch.set_queue_depth()       # the DLCP stage's queue depth (p4control)
 
     @staticmethod
     def _env() -> dict:
@@ -324,14 +328,25 @@ class Testbed:
         return results
 
     def stop_aggregator(self) -> dict | None:
-        """Stop the switch/service and return its final counters when it gives them."""
+        """Stop the switch/service and return its final counters when it gives them.
+        The process is stopped even when reading the counters fails."""
         counters = None
-        if self.controller is not None:
-            try:
-                counters = self.controller.counters()
-            finally:
-                self.controller.close()
-                self.controller = None
+        try:
+            if self.controller is not None:
+                try:
+                    counters = self.controller.counters()
+                finally:
+                    self.controller.close()
+                    self.controller = None
+        finally:
+            self._stop_agg_process()
+        for name in ("counters.json", "dpdk_stats.json"):
+            path = self.workdir / name
+            if counters is None and path.is_file():
+                counters = json.loads(path.read_text())
+        return counters
+
+    def _stop_agg_process(self) -> None:
         if self.agg_process is not None and self.agg_process.poll() is None:
             self.agg_process.send_signal(signal.SIGTERM)
             try:
@@ -339,11 +354,6 @@ class Testbed:
             except subprocess.TimeoutExpired:
                 self.agg_process.kill()
                 self.agg_process.wait()
-        for name in ("counters.json", "dpdk_stats.json"):
-            path = self.workdir / name
-            if counters is None and path.is_file():
-                counters = json.loads(path.read_text())
-        return counters
 
     # -- tear down --
     def teardown(self) -> None:

@@ -60,10 +60,14 @@ control SlotAggregation(inout headers_t hdr, inout metadata_t meta) {
         bit<32> r_offset;     result_offset.read(r_offset, i);
         bit<16> r_num_values; result_num_values.read(r_num_values, i);
 
-        /* 4.2 step 1: a newer round, or an empty copy, starts afresh */
-        bool fresh = hdr.agg.round > round || bitmap == 0;
-        /* 4.2 step 2: an older round is obsolete (never changes the copy) */
-        bool obsolete = !fresh && hdr.agg.round < round;
+        /* 4.2: rounds in serial-number order (newer: the 32-bit difference is
+         * nonzero with its top bit clear); step 1: a newer round, or an empty
+         * copy, starts afresh */
+        bit<32> d = hdr.agg.round - round;
+        bool newer = d != 0 && d[31:31] == 0;
+        bool fresh = newer || bitmap == 0;
+        /* 4.2 step 2: any other round is older, obsolete (never changes the copy) */
+        bool obsolete = !fresh && hdr.agg.round != round;
         round  = fresh ? hdr.agg.round : round;
         bitmap = fresh ? 32w0 : bitmap;
         count  = fresh ? 8w0 : count;

@@ -1,7 +1,8 @@
 /* IPv4 header checksum (protocol.md 1): aggregation packets are not verified (the
- * reference aggregator does not check them either); the checksum is recomputed
- * whenever this program changed an IPv4 field (RESULT/STRAGGLER addressing and
- * lengths, DLCP CE marking). The UDP checksum of emitted packets is 0. */
+ * reference aggregator does not check them either); the checksum is recomputed over
+ * the 20-byte header of every RESULT/STRAGGLER this program builds (addressing and
+ * lengths). The DLCP CE mark updates it incrementally in egress (dlcp.p4), which is
+ * right for headers with options too. The UDP checksum of emitted packets is 0. */
 #ifndef _THC_INA_CHECKSUMS_P4_
 #define _THC_INA_CHECKSUMS_P4_
 

@@ -18,6 +18,7 @@ const bit<32> JC_DROP_BAD_SLOT     = 6;
 const bit<32> JC_DROP_NOT_MEMBER   = 7;
 const bit<32> JC_DROP_BAD_EXPECTED = 8;
 const bit<32> JC_DROP_DUPLICATE    = 9;
+const bit<32> JC_DROP_UNSATISFIABLE = 10;
 
 /* Global counter cells of the ingress (global_counters). */
 const bit<32> GC_DROP_TRUNCATED    = 0;
@@ -27,6 +28,7 @@ const bit<32> GC_DROP_BAD_LENGTH   = 3;
 const bit<32> GC_DROP_UNKNOWN_JOB  = 4;
 const bit<32> GC_DROP_NOT_ROUTABLE = 5;
 const bit<32> GC_FORWARDED         = 6;
+const bit<32> GC_DROP_FRAGMENT     = 7;
 
 /* Egress DLCP counter cells (dlcp.p4: DlcpAdmission.dlcp_counters). */
 const bit<32> DC_SELECTIVE_DROP = 0;

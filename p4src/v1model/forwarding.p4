@@ -7,11 +7,15 @@
 control JobMembership(in headers_t hdr,
                       inout metadata_t meta,
                       in standard_metadata_t standard_metadata) {
-    action set_job(bit<32> job_index, bit<32> slot_base, bit<16> pool_size) {
+    action set_job(bit<32> job_index, bit<32> slot_base, bit<16> pool_size,
+                   bit<16> values_per_packet, bit<32> member_mask, bit<8> member_count) {
         meta.job_known = 1;
         meta.job_index = job_index;
         meta.slot_base = slot_base;
         meta.pool_size = pool_size;
+        meta.values_per_packet = values_per_packet;
+        meta.member_mask = member_mask;
+        meta.member_count = member_count;
     }
 
     action unknown_job() {
@@ -33,12 +37,16 @@ control JobMembership(in headers_t hdr,
         meta.is_member = 0;
     }
 
-    /* (job, worker id, switch port) triples allowed to contribute */
+    /* A member is bound to its whole address (protocol.md 3, 4.1): (job, worker id)
+     * from its switch port, MAC, IPv4 address and UDP port. */
     table members {
         key = {
-            hdr.agg.job                  : exact;
-            hdr.agg.worker               : exact;
+            hdr.agg.job                    : exact;
+            hdr.agg.worker                 : exact;
             standard_metadata.ingress_port : exact;
+            hdr.ethernet.src_addr          : exact;
+            hdr.ipv4.src_addr              : exact;
+            hdr.udp.src_port               : exact;
         }
         actions = { member; not_member; }
         const default_action = not_member();
@@ -48,9 +56,23 @@ control JobMembership(in headers_t hdr,
     apply {
         meta.job_known = 0;
         meta.is_member = 0;
+        meta.unsatisfiable = 0;
         jobs.apply();
         if (meta.job_known == 1 && hdr.agg.worker < 32) {
             members.apply();
+        }
+        /* A DATA that could never complete: expected names a non-member, or
+         * min_count exceeds the workers who may contribute (popcount(expected), or
+         * the job's size when expected is 0). popcount by SWAR arithmetic. */
+        bit<32> x = hdr.agg.expected;
+        x = x - ((x >> 1) & 0x55555555);
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333);
+        x = (x + (x >> 4)) & 0x0F0F0F0F;
+        x = x + (x >> 8);
+        x = x + (x >> 16);
+        bit<8> can_contribute = hdr.agg.expected != 0 ? (bit<8>)(x & 0x3F) : meta.member_count;
+        if ((hdr.agg.expected & ~meta.member_mask) != 0 || hdr.agg.min_count > can_contribute) {
+            meta.unsatisfiable = 1;
         }
     }
 }

@@ -1,5 +1,5 @@
 /* Headers, constants and metadata of the THC-INA v1model program.
- * Wire format: docs/protocol.md sections 1-2 (protocol version 1). */
+ * Wire format: docs/protocol.md sections 1-2 (protocol version 2). */
 #ifndef _THC_INA_HEADERS_P4_
 #define _THC_INA_HEADERS_P4_
 
@@ -10,6 +10,9 @@
 #define MAX_JOBS        16
 #define SLOT_BUDGET     4096        /* slots of all jobs together */
 #define SLOT_COPIES     8192        /* two copies (round parity) per slot */
+#define DLCP_PORTS      32          /* switch ports with DLCP queues (a power of two) */
+#define DLCP_QUEUES     256         /* DLCP_PORTS x 8 priority queues */
+#define DLCP_HISTORY    1024        /* > any BMv2 queue depth (a power of two) */
 
 typedef bit<48> mac_addr_t;
 typedef bit<32> ipv4_addr_t;
@@ -20,7 +23,7 @@ const bit<8>  IP_PROTO_UDP   = 17;
 const bit<16> AGG_PORT_BASE  = 50000;   /* UDP ports 50000-50015 (dport & 0xFFF0) */
 const bit<16> AGG_PORT_MASK  = 0xFFF0;
 
-const bit<4>  AGG_VERSION    = 1;
+const bit<4>  AGG_VERSION    = 2;
 const bit<4>  TYPE_DATA      = 0;
 const bit<4>  TYPE_RESULT    = 1;
 const bit<4>  TYPE_STRAGGLER = 2;
@@ -32,6 +35,12 @@ const bit<16> AGG_HEADER_LEN = 32;
 const bit<16> UDP_HEADER_LEN = 8;
 const bit<16> IPV4_HEADER_LEN = 20;
 const bit<32> L2_TO_AGG_LEN  = 74;      /* Ethernet + IPv4 + UDP + AGG header */
+
+/* DLCP admission verdicts (dlcp.p4) */
+const bit<2> VERDICT_PASS           = 0;
+const bit<2> VERDICT_MARK           = 1;  /* above K, ECT: CE mark */
+const bit<2> VERDICT_SELECTIVE_DROP = 2;  /* above K, Not-ECT */
+const bit<2> VERDICT_BUFFER_DROP    = 3;  /* at capacity */
 
 /* Outcome of the slot state machine (protocol.md section 4.2). */
 const bit<3> OUTCOME_PENDING      = 0;  /* aggregated, round not complete: consumed */
@@ -54,7 +63,7 @@ header ipv4_t {
     bit<2>      ecn;            /* DLCP importance: Not-ECT = unimportant */
     bit<16>     total_len;
     bit<16>     identification;
-    bit<3>      flags;
+    bit<3>      flags;          /* reserved, DF, MF (flags[0:0]) */
     bit<13>     frag_offset;
     bit<8>      ttl;
     bit<8>      protocol;
@@ -136,7 +145,11 @@ struct metadata_t {
     bit<32>  job_index;         /* dense index: counters, multicast group job_index + 1 */
     bit<32>  slot_base;         /* first slot of the job in the shared slot registers */
     bit<16>  pool_size;
-    bit<1>   is_member;
+    bit<16>  values_per_packet; /* the job's limit (protocol.md 3), <= MAX_VALUES */
+    bit<32>  member_mask;       /* bit w set for each member w */
+    bit<8>   member_count;
+    bit<1>   is_member;         /* (job, worker) from its port, MAC, IPv4, UDP port */
+    bit<1>   unsatisfiable;     /* a DATA that could never complete (protocol.md 4.1) */
     bit<32>  worker_bit;        /* 1 << worker */
     /* aggregation (aggregation.p4) */
     bit<32>  copy_index;        /* register cell of (job, slot, round parity) */

@@ -1,5 +1,5 @@
 /* THC-INA in-network aggregation for BMv2 simple_switch (v1model).
- * Implements docs/protocol.md v1; limits in p4src/v1model/README.md.
+ * Implements docs/protocol.md v2; limits in p4src/v1model/README.md.
  * Build: p4c --target bmv2 --arch v1model --p4runtime-files build/p4/main.p4info.txtpb \
  *            -o build/p4 p4src/v1model/main.p4
  * Run:   simple_switch_grpc --priority-queues 8 ... build/p4/main.json */
@@ -12,6 +12,7 @@
 #include "counters.p4"
 #include "parser.p4"
 #include "lookup.p4"
+#include "fragments.p4"
 #include "aggregation.p4"
 #include "dlcp.p4"
 #include "forwarding.p4"
@@ -27,6 +28,7 @@ control SwitchIngress(inout headers_t hdr,
     counter<bit<32>>(GLOBAL_COUNTER_CELLS, CounterType.packets) global_counters;
 
     DlcpClassify() dlcp_classify;
+    FragmentFilter() fragment_filter;
     Ipv4Forwarding() ipv4_forwarding;
     JobMembership() job_membership;
     SlotAggregation() slot_aggregation;
@@ -64,8 +66,16 @@ control SwitchIngress(inout headers_t hdr,
         meta.out_payload_len = 0;
         dlcp_classify.apply(hdr, meta, standard_metadata);
 
+        /* ---- protocol.md 4.1: fragments first (right after "is it IPv4") ---- */
+        bool fragment_for_aggregator;
+        fragment_filter.apply(hdr, meta, fragment_for_aggregator);
+        if (fragment_for_aggregator) {
+            drop_global(GC_DROP_FRAGMENT);
+            return;
+        }
         if (meta.to_agg_port == 0) {
-            /* ordinary traffic (including IPv4 with options and short UDP frames) */
+            /* ordinary traffic (including IPv4 with options, other fragments and
+             * short UDP frames) */
             bool routed;
             ipv4_forwarding.apply(hdr, meta, standard_metadata, routed);
             if (routed) {
@@ -107,6 +117,11 @@ control SwitchIngress(inout headers_t hdr,
             drop_global(GC_DROP_UNKNOWN_JOB);
             return;
         }
+        /* the job's own values_per_packet: the length row, once the job is known */
+        if (hdr.agg.pkt_type == TYPE_DATA && hdr.agg.num_values > meta.values_per_packet) {
+            drop_global(GC_DROP_BAD_LENGTH);
+            return;
+        }
         if ((bit<16>)hdr.agg.slot >= meta.pool_size) {
             drop_job(JC_DROP_BAD_SLOT);
             return;
@@ -120,6 +135,10 @@ control SwitchIngress(inout headers_t hdr,
             ((hdr.agg.expected == 0 && hdr.agg.min_count == 0) ||
              (hdr.agg.expected != 0 && (hdr.agg.expected & meta.worker_bit) == 0))) {
             drop_job(JC_DROP_BAD_EXPECTED);
+            return;
+        }
+        if (hdr.agg.pkt_type == TYPE_DATA && meta.unsatisfiable == 1) {
+            drop_job(JC_DROP_UNSATISFIABLE);
             return;
         }
         count_job(JC_RX);

@@ -20,9 +20,11 @@ parser IngressParser(packet_in packet,
 
     state parse_ipv4 {
         packet.extract(hdr.ipv4);
-        /* IPv4 options make a packet ordinary traffic (protocol.md 4.1). */
-        transition select(hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.protocol) {
-            (4, 5, IP_PROTO_UDP): parse_udp;
+        /* IPv4 options make a packet ordinary traffic (protocol.md 4.1); a non-first
+         * fragment has no UDP header (ingress judges fragments, fragments.p4). */
+        transition select(hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.protocol,
+                          hdr.ipv4.frag_offset) {
+            (4, 5, IP_PROTO_UDP, 0): parse_udp;
             default: accept;
         }
     }

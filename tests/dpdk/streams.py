@@ -5,8 +5,10 @@ do not depend on the vectorized codec they are meant to cross-check.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
-from scapy.layers.inet import IP, UDP
+from scapy.layers.inet import IP, UDP, IPOption_Router_Alert
 from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Raw
 
@@ -86,9 +88,37 @@ def mutate(frame: bytes, rng) -> bytes:
     return bytes(b)
 
 
+def fragment_of(frame: bytes, rng, dst: str | None = None) -> bytes:
+    """The frame as a random IPv4 fragment (first with MF, middle or last), optionally
+    to another destination; the IPv4 checksum is made valid again."""
+    pkt = Ether(frame)
+    kind = rng.integers(0, 3)
+    pkt[IP].flags = "MF" if kind < 2 else 0
+    pkt[IP].frag = 0 if kind == 0 else int(rng.integers(1, 200))
+    if dst is not None:
+        pkt[IP].dst = dst
+    del pkt[IP].chksum
+    return bytes(pkt)
+
+
+def with_ip_options(dst: str, src: Member, tos: int) -> bytes:
+    """Ordinary UDP with an IPv4 option (router alert): IHL 6."""
+    return bytes(Ether(dst=SWITCH_MAC, src=src.mac)
+                 / IP(src=src.ip, dst=dst, tos=tos, options=[IPOption_Router_Alert()])
+                 / UDP(sport=1234, dport=53) / Raw(b"o" * 24))
+
+
+def spoofed(m: Member, rng) -> Member:
+    """m with one of its source addresses forged (MAC, IPv4 or UDP port)."""
+    field = ("mac", "ip", "udp_port")[rng.integers(0, 3)]
+    forged = {"mac": "02:00:00:00:99:99", "ip": "10.99.0.1", "udp_port": m.udp_port + 77}
+    return dataclasses.replace(m, **{field: forged[field]})
+
+
 def random_mix(cfg: SwitchConfig, n: int, rng, values_max: int = 64) -> list[tuple[int, bytes]]:
     """A random mix of valid DATA (small rounds, retransmissions, stragglers, partial
-    completion), FLUSH, non-members, ordinary traffic and mutated frames."""
+    completion, rounds near the 32-bit wrap), FLUSH, non-members, forged sources,
+    fragments, ordinary traffic (some with IP options) and mutated frames."""
     out = []
     jobs = cfg.jobs
     for _ in range(n):
@@ -102,8 +132,11 @@ def random_mix(cfg: SwitchConfig, n: int, rng, values_max: int = 64) -> list[tup
             expected = job.expected_all if rng.random() < 0.7 else int(rng.integers(0, 1 << len(job.members)))
             min_count = 0 if rng.random() < 0.7 else int(rng.integers(0, len(job.members) + 1))
             slot = int(rng.integers(0, job.pool_size + (1 if rng.random() < 0.1 else 0)))
+            round_ = int(rng.integers(0, 4))
+            if rng.random() < 0.2:
+                round_ = (round_ - 2) % (1 << 32)            # 0xFFFFFFFE .. 1: the wrap
             out.append((port, data_frame(m, rng.integers(0, 16, nv), job=job.job, slot=slot,
-                                         round_=int(rng.integers(0, 4)), expected=expected,
+                                         round_=round_, expected=expected,
                                          min_count=min_count, tos=tos)))
         elif choice < 0.65:
             out.append((port, data_frame(m, [], job=job.job, slot=int(rng.integers(0, job.pool_size)),
@@ -114,6 +147,19 @@ def random_mix(cfg: SwitchConfig, n: int, rng, values_max: int = 64) -> list[tup
                                     / UDP(sport=1234, dport=int(rng.integers(1, 60000))) / Raw(b"x" * 20))))
         elif choice < 0.78:
             out.append((port, bytes(Ether(dst="ff:ff:ff:ff:ff:ff", src=m.mac) / ARP(psrc=m.ip))))
+        elif choice < 0.82:
+            base = data_frame(m, rng.integers(0, 16, int(rng.integers(1, values_max + 1))),
+                              job=job.job, slot=int(rng.integers(0, job.pool_size)), round_=0,
+                              expected=job.expected_all, tos=tos)
+            dst = None if rng.random() < 0.5 else f"10.{rng.integers(0, 4)}.1.{rng.integers(1, 9)}"
+            out.append((port, fragment_of(base, rng, dst)))
+        elif choice < 0.86:
+            out.append((m.port, data_frame(spoofed(m, rng), rng.integers(0, 16, 8), job=job.job,
+                                           slot=0, round_=0, expected=job.expected_all,
+                                           tos=tos)))
+        elif choice < 0.89:
+            dst = f"10.{rng.integers(0, 4)}.2.{rng.integers(1, 9)}"
+            out.append((port, with_ip_options(dst, m, tos)))
         else:
             base = data_frame(m, rng.integers(0, 16, int(rng.integers(1, values_max + 1))),
                               job=job.job, slot=int(rng.integers(0, job.pool_size)),

@@ -26,7 +26,7 @@ def run_switch(switch_bin, conf_path, n_ports=2):
 def test_written_file_lists_every_part_of_the_description():
     text = render(GOOD)
     assert "switch 02:00:00:00:00:fe 10.0.0.254" in text
-    assert "job 1 8 " + " ".join(map(str, streams.TABLE)) in text
+    assert "job 1 8 1024 " + " ".join(map(str, streams.TABLE)) in text
     assert "member 1 1 1 02:00:00:00:01:02 10.1.0.2 40101" in text
     assert "route 10.0.0.0/8 4 02:00:00:00:00:a8" in text
     assert text.count("threshold ") == 8 and "capacity 64" in text
@@ -52,6 +52,14 @@ def test_python_side_refuses_what_protocol_md_refuses():
         render(streams.config(pool_size=70000))
     with pytest.raises(ConfigError, match="exceeds the DPDK switch"):
         render(SwitchConfig(jobs=(Job(1, 4, streams.TABLE, (streams.member(1, 0, 40),)),)))
+    with pytest.raises(ConfigError, match="the DPDK switch's limit of 8192 values per packet"):
+        render(SwitchConfig(jobs=(Job(1, 4, streams.TABLE, four, values_per_packet=8193),)))
+
+
+def test_values_per_packet_is_written_on_the_job_line():
+    cfg = SwitchConfig(jobs=(Job(3, 2, streams.TABLE, (streams.member(3, 0, 0),),
+                                 values_per_packet=8192),))
+    assert "job 3 2 8192 " + " ".join(map(str, streams.TABLE)) in render(cfg)
 
 
 def test_cli_writes_the_file(tmp_path):
@@ -67,23 +75,33 @@ def test_switch_accepts_the_written_file(switch_bin, tmp_path):
 
 
 BAD = {
-    "table must start at 0 and strictly increase": "job 1 4 0 1 2 2 5 7 9 11 13 15 17 19 21 24 27 30",
-    "overflows the 8-bit": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 200\n"
+    "table must start at 0 and strictly increase": "job 1 4 1024 0 1 2 2 5 7 9 11 13 15 17 19 21 24 27 30",
+    "overflows the 8-bit": "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 200\n"
                            "member 1 0 0 02:00:00:00:01:01 10.1.0.1 40100\n"
                            "member 1 1 1 02:00:00:00:01:02 10.1.0.2 40101",
-    "duplicate worker id 0": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
+    "duplicate worker id 0": "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
                              "member 1 0 0 02:00:00:00:01:01 10.1.0.1 40100\n"
                              "member 1 0 1 02:00:00:00:01:02 10.1.0.2 40101",
-    "slot budget": "job 1 70000 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
-    "two jobs share the id 1": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
+    "slot budget": "job 1 70000 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
+    "two jobs share the id 1": "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
                                "member 1 0 0 02:00:00:00:01:01 10.1.0.1 40100\n"
-                               "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
-    "has no members": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
-    "only 2 ports exist": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
+                               "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
+    "has no members": "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
+    "only 2 ports exist": "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
                           "member 1 0 9 02:00:00:00:01:01 10.1.0.1 40100",
-    "not an IPv4 address": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
+    "not an IPv4 address": "job 1 4 1024 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
                            "member 1 0 0 02:00:00:00:01:01 10.1.0.300 40100",
     "unknown directive 'jbo'": "jbo 1",
+    "values_per_packet '8193' must be in 1..8192": "job 1 4 8193 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
+    "values_per_packet '0' must be in 1..8192": "job 1 4 0 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
+    "expected 'job <id> <pool_size> <values_per_packet>": "job 1 4 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30",
+    "workers 0 and 2 share the address 10.1.0.1:40100": (
+        "job 1 4 64 0 1 2 3 5 7 9 11 13 15 17 19 21 24 27 30\n"
+        "member 1 0 0 02:00:00:00:01:01 10.1.0.1 40100\n"
+        "member 1 1 1 02:00:00:00:01:02 10.1.0.1 40101\n"
+        "member 1 2 1 02:00:00:00:01:03 10.1.0.1 40100"),
+    "expected 'capacity <packets, 1..1048576>'": "capacity 1048577",
+    "expected 'threshold <queue 0..7> <K 0..4294967295>'": "threshold 2 4294967296",
     "more than 8 next hops": "route 10.0.0.0/8 " + " ".join(
         f"{p % 2} 02:00:00:00:00:{p:02x}" for p in range(9)),
     "route 10.0.0.0/8: port '40' must be in": "route 10.0.0.0/8 0 02:00:00:00:00:01 "

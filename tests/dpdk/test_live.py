@@ -15,7 +15,7 @@ from scapy.layers.inet import IP, UDP, fragment
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from dataplane.config import Job, Member, Route, SwitchConfig
+from dataplane.config import DEFAULT_VALUES_PER_PACKET, Job, Member, Route, SwitchConfig
 from dataplane.dpdk_config import DPDK_MAX_VALUES, write_config
 from dataplane.dpdk_runner import (HostService, LiveSwitch, TapService, af_packet_vdevs, eal_args,
                                    process_cpu_seconds)
@@ -248,11 +248,9 @@ def service_config(socks, values_per_packet: int | None = None) -> SwitchConfig:
     host_mac, host_ip = "02:00:00:00:aa:01", "10.213.0.1"
     members = tuple(Member(w, 0, host_mac, host_ip, s.getsockname()[1])
                     for w, s in enumerate(socks))
-    kw = {}
-    if values_per_packet and "values_per_packet" in Job.__dataclass_fields__:
-        kw["values_per_packet"] = values_per_packet       # protocol v2, R7
+    vpp = values_per_packet or DEFAULT_VALUES_PER_PACKET
     return SwitchConfig("02:00:00:00:aa:fe", "10.213.0.254",
-                        (Job(4, 8, streams.TABLE, members, **kw),))
+                        (Job(4, 8, streams.TABLE, members, vpp),))
 
 
 def udp_round(service_cls, values: int, **kw):
@@ -273,11 +271,26 @@ def udp_round(service_cls, values: int, **kw):
             for w, s in enumerate(socks):
                 data, (src_ip, src_port) = s.recvfrom(65536)
                 assert (src_ip, src_port) == (cfg.ip, 50000)
-                assert data[0] & 0x0f == TYPE_RESULT and data[6] == w
+                assert data[0] == 0x21 and data[6] == w             # v2 RESULT for worker w
                 np.testing.assert_array_equal(np.frombuffer(data[32:], np.uint8), want)
             stats = service.counters()
             assert stats["jobs"]["4"]["aggregated"] == 3
             assert stats["jobs"]["4"]["results_multicast"] == 1
+            # Every member shares the tap's MAC and IPv4 address: the UDP port tells them
+            # apart (protocol §4.1). Worker 1's socket posing as worker 0, and a socket
+            # that is no member, are refused.
+            stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            socks.append(stranger)
+            stranger.bind(("0.0.0.0", 0))
+            forged = streams.data_frame(cfg.jobs[0].members[0], idx[0], job=4, slot=6,
+                                        round_=0, expected=0b111)[42:]
+            socks[1].sendto(forged, (cfg.ip, 50000))
+            stranger.sendto(forged, (cfg.ip, 50000))
+            deadline = time.monotonic() + 5
+            while service.counters()["jobs"]["4"]["drop_not_member"] < 2:
+                assert time.monotonic() < deadline, service.counters()
+                time.sleep(0.05)
+            assert service.counters()["jobs"]["4"]["aggregated"] == 3
     finally:
         for s in socks:
             s.close()

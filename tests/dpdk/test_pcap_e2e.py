@@ -3,6 +3,7 @@ with the reference aggregator (dataplane/reference.py) on random mixed traffic."
 import numpy as np
 import pytest
 
+from dataplane.config import Route
 from dataplane.reference import ReferenceSwitch
 from dataplane.dpdk_runner import run_pcap
 from host.packets import TYPE_RESULT, parse_frame
@@ -45,12 +46,14 @@ def test_rounds_of_1024_values_sum_exactly(switch_bin):
 
 @pytest.mark.parametrize("seed", [3, 4])
 def test_random_mix_matches_reference_byte_for_byte(switch_bin, seed):
-    """Valid, duplicate, obsolete, partial, flushed, non-member, routed and mutated
-    frames over two jobs, in three runs, one port paused with small DLCP queues:
-    every emitted frame and every counter equals the reference's."""
+    """Valid, duplicate, obsolete, partial, unsatisfiable, flushed, non-member, forged,
+    fragmented, routed (with and without IP options) and mutated frames over two jobs,
+    in three runs, one port paused with small DLCP queues: every emitted frame and every
+    counter equals the reference's."""
     rng = np.random.default_rng(seed)
-    cfg = streams.config(n_workers=3, pool_size=4, jobs=(1, 2), routes=streams.routes(),
-                         dlcp=streams.small_dlcp())
+    to_paused = Route("10.3.0.0/16", 1, "02:00:00:00:00:d0")    # CE marks IP options
+    cfg = streams.config(n_workers=3, pool_size=4, jobs=(1, 2),
+                         routes=streams.routes() + (to_paused,), dlcp=streams.small_dlcp())
     batches = [streams.random_mix(cfg, 250, rng) for _ in range(3)]
     rates = {1: 0}
     got, stats = run_pcap(cfg, batches, rates, num_ports=6)
@@ -62,8 +65,10 @@ def test_random_mix_matches_reference_byte_for_byte(switch_bin, seed):
     # The mix really exercised the paths it is meant to.
     g, j1 = counters["global"], counters["jobs"][1]
     assert g["forwarded"] and g["drop_not_routable"] and g["drop_bad_length"]
+    assert g["drop_fragment"] and g["dlcp_ce_marked"]
     assert j1["results_multicast"] and j1["straggler_notices"] and j1["flushes"]
     assert j1["drop_duplicate"] and j1["drop_not_member"] and j1["drop_bad_slot"]
+    assert j1["drop_unsatisfiable"]
 
 
 def test_ordinary_traffic_follows_the_longest_prefix(switch_bin):

@@ -310,9 +310,13 @@ def test_retransmit_timer_follows_rtt_within_bounds():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="values_per_packet"):
         AggregatorTransport(("127.0.0.1", 50000), job=1, worker=0, expected=1, pool_size=2,
-                            values_per_packet=2000)
+                            values_per_packet=9000)
     with pytest.raises(ValueError, match="expected bitmap"):
         AggregatorTransport(("127.0.0.1", 50000), job=1, worker=3, expected=0b11, pool_size=2)
+    # 3 of the 2 expected workers: every packet would be drop_unsatisfiable (protocol §4.1)
+    with pytest.raises(ValueError, match="min_count 3 can never be reached"):
+        AggregatorTransport(("127.0.0.1", 50000), job=1, worker=0, expected=0b11, pool_size=2,
+                            min_count=3)
     with pytest.raises(ValueError, match="HOST:PORT"):
         AggregatorTransport("localhost", job=1, worker=0, expected=1, pool_size=2)
 

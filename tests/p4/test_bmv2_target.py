@@ -6,10 +6,16 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.packet.targets import bmv2
+# The packet suite is the package `packet` under tests/ (as pytest imports it). Never
+# "tests.packet": IPython, which p4runtime-shell loads, puts a `tests` package of its own
+# on sys.path, and a regular package there wins over our namespace directory.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from packet.targets import bmv2  # noqa: E402
 
 
 def test_unavailable_target_says_why():

@@ -1,6 +1,7 @@
 """The P4 program (p4src/v1model) against the controller and the wire protocol, without p4c.
 
-p4c is not installable here, so these checks read the preprocessed source: every entry
+These checks read the preprocessed source and run wherever cpp is (test_p4_compile.py
+compiles with p4c where it is on PATH): every entry
 the controller plans names a table, key fields, action and parameters that exist in the
 program (with p4c's P4Info naming: control instance path + local name); each table is
 applied once per control; the AGG header matches HEADER_DTYPE; the counter cells and
@@ -102,7 +103,7 @@ def full_config() -> SwitchConfig:
     table = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
     members = tuple(Member(w, w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.0.{w + 1}", 40000 + w)
                     for w in range(3))
-    return SwitchConfig(jobs=(Job(1, 8, table, members),),
+    return SwitchConfig(jobs=(Job(1, 8, table, members, values_per_packet=64),),
                         routes=(Route("10.9.0.0/16", 1, "02:00:00:00:09:09",
                                       extra_hops=((2, "02:00:00:00:09:0a"),)),)).validate()
 

@@ -22,8 +22,11 @@ def members(n: int, first_port: int = 0) -> tuple[Member, ...]:
                         f"10.0.0.{w + 1}", 40000 + w) for w in range(n))
 
 
+VPP = 64                       # the BMv2 program's values per packet
+
+
 def config(pools=(8,), n=4, routes=()) -> SwitchConfig:
-    jobs = tuple(Job(10 + i, pool, TABLE, members(n)) for i, pool in enumerate(pools))
+    jobs = tuple(Job(10 + i, pool, TABLE, members(n), VPP) for i, pool in enumerate(pools))
     return SwitchConfig(jobs=jobs, routes=routes).validate()
 
 
@@ -74,10 +77,35 @@ def test_job_layout_slots_are_disjoint_and_membership_complete():
     for job in cfg.jobs:
         lay = plan.layouts[job.job]
         assert jobs[str(job.job)] == {"job_index": str(lay.index), "slot_base": str(lay.slot_base),
-                                      "pool_size": str(job.pool_size)}
+                                      "pool_size": str(job.pool_size),
+                                      "values_per_packet": str(VPP),
+                                      "member_mask": str(job.member_mask),
+                                      "member_count": str(job.member_count)}
     member_keys = {tuple(v for _, v in e.match) for e in entries_of(plan, pc.T_MEMBERS)}
-    want = {(str(j.job), str(m.worker), str(m.port)) for j in cfg.jobs for m in j.members}
+    want = {(str(j.job), str(m.worker), str(m.port), m.mac, m.ip, str(m.udp_port))
+            for j in cfg.jobs for m in j.members}
     assert member_keys == want
+
+
+def test_the_switch_address_is_installed_for_the_fragment_rule():
+    cfg = config()
+    (e,) = entries_of(pc.plan_switch(cfg), pc.T_OWN_ADDRESS)
+    assert dict(e.match) == {"hdr.ipv4.dst_addr": cfg.ip}
+    assert e.action == "SwitchIngress.fragment_filter.switch_address"
+
+
+def test_what_the_program_cannot_hold_is_refused_with_its_limit():
+    with pytest.raises(ConfigError, match="the BMv2 program's limit of 64 values per packet; "
+                                          "lower values_per_packet"):
+        pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(2), 65),)))
+    with pytest.raises(ConfigError, match="limit of 1023 packets .*; lower capacity"):
+        pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(2), VPP),),
+                                    dlcp=Dlcp(capacity=pc.BMV2_MAX_CAPACITY + 1)))
+    pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(2), VPP),),
+                                dlcp=Dlcp(capacity=pc.BMV2_MAX_CAPACITY)))
+    far = Member(0, pc.BMV2_DLCP_PORTS, "02:00:00:00:00:01", "10.0.0.1", 41000)
+    with pytest.raises(ConfigError, match="switch port 32: .* ports 0..31 .*renumber"):
+        pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, (far,), VPP),)))
 
 
 def test_egress_addressing_uses_switch_source_and_member_destination():
@@ -143,17 +171,17 @@ def test_too_many_next_hops_are_refused():
 
 @pytest.mark.parametrize("pools, words", [((4097,), "pool_size"), ((3000, 2000), "4096")])
 def test_slot_budget_is_refused_with_what_to_change(pools, words):
-    jobs = tuple(Job(i + 1, p, TABLE, members(2)) for i, p in enumerate(pools))
+    jobs = tuple(Job(i + 1, p, TABLE, members(2), VPP) for i, p in enumerate(pools))
     with pytest.raises(ConfigError, match=words):
         pc.plan_switch(SwitchConfig(jobs=jobs))
 
 
 def test_too_many_jobs_and_overflowing_job_are_refused():
-    jobs = tuple(Job(i, 1, TABLE, members(1)) for i in range(pc.BMV2_MAX_JOBS + 1))
+    jobs = tuple(Job(i, 1, TABLE, members(1), VPP) for i in range(pc.BMV2_MAX_JOBS + 1))
     with pytest.raises(ConfigError, match="at most 16"):
         pc.plan_switch(SwitchConfig(jobs=jobs))
     with pytest.raises(ConfigError, match="overflows"):   # 9 x 30 > 255
-        pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(9)),)))
+        pc.plan_switch(SwitchConfig(jobs=(Job(1, 4, TABLE, members(9), VPP),)))
 
 
 def test_counter_names_match_the_protocol():
@@ -196,7 +224,7 @@ def test_cli_plan_needs_no_switch(tmp_path, capsys):
     assert pc.main(["--config", str(path), "--plan"]) == 0
     out = capsys.readouterr().out
     assert "256  SwitchIngress.lookup_31.byte_to_lanes" in out
-    bad = SwitchConfig(jobs=(Job(1, 5000, TABLE, members(2)),)).save(tmp_path / "bad.json")
+    bad = SwitchConfig(jobs=(Job(1, 5000, TABLE, members(2), VPP),)).save(tmp_path / "bad.json")
     assert pc.main(["--config", str(bad), "--plan"]) == 2
     assert "pool_size" in capsys.readouterr().err
 

@@ -13,10 +13,12 @@ from dataplane.config import (CONTROL_DSCP, Dlcp, Job, Member, SwitchConfig, ban
                               default_thresholds)
 from dataplane.reference import GLOBAL_COUNTERS, JOB_COUNTERS
 from host.packets import (AGG_PORT_BASE, HEADER_DTYPE, TYPE_DATA, TYPE_FLUSH, TYPE_RESULT,
-                          encode_data, encode_headers, parse_frame, wrap_frames)
+                          VERSION, encode_data, encode_headers, parse_frame, wrap_frames)
 
 # Strictly increasing from 0; 8 workers x 30 = 240 fits the 8-bit lanes.
 TABLE = (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 24, 27, 30)
+# Values per packet of the scenarios' jobs: within every plane's limit (BMv2: 64).
+SCENARIO_VPP = 64
 SWITCH_MAC, SWITCH_IP = "02:00:00:00:00:fe", "10.0.0.254"
 ECN_NOT_ECT, ECN_ECT1, ECN_ECT0, ECN_CE = 0, 1, 2, 3
 
@@ -28,9 +30,10 @@ def member(worker: int, port: int, job: int = 1) -> Member:
 
 
 def make_job(job: int, n_workers: int, pool_size: int = 16, first_port: int = 0,
-             ports=None) -> Job:
+             ports=None, values_per_packet: int = SCENARIO_VPP) -> Job:
     ports = ports or [first_port + w for w in range(n_workers)]
-    return Job(job, pool_size, TABLE, tuple(member(w, ports[w], job) for w in range(n_workers)))
+    return Job(job, pool_size, TABLE, tuple(member(w, ports[w], job) for w in range(n_workers)),
+               values_per_packet)
 
 
 def make_config(*jobs: Job, dlcp: Dlcp | None = None, routes=()) -> SwitchConfig:
@@ -43,7 +46,7 @@ def small_dlcp(threshold: int = 2, capacity: int = 6) -> Dlcp:
 
 
 def vpp_for(target) -> int:
-    return min(64, target.max_values)
+    return min(SCENARIO_VPP, target.max_values)
 
 
 def pack(idx) -> np.ndarray:
@@ -85,7 +88,7 @@ def raw_frame(m: Member, agg: bytes, *, tos: int = 0, dport: int = AGG_PORT_BASE
 def header_bytes(**fields) -> bytes:
     """A 32-byte AGG header; `type`/`version` set ver_type, the rest by protocol name."""
     hdr = np.zeros(1, dtype=HEADER_DTYPE)
-    hdr["ver_type"] = (fields.pop("version", 1) << 4) | fields.pop("type", TYPE_DATA)
+    hdr["ver_type"] = (fields.pop("version", VERSION) << 4) | fields.pop("type", TYPE_DATA)
     for name, value in fields.items():
         hdr[name] = value
     return encode_headers(hdr)[0].tobytes()
@@ -145,7 +148,7 @@ def check_result(o: Out, m: Member, *, job: int, slot: int, round_: int, sums, c
                  expected: int, flags: int = 0, offset: int = 0, tensor: int = 7,
                  min_count: int = 0, tos: int | None = None) -> None:
     check_emitted(o, m, tos)
-    assert o.type == TYPE_RESULT and o.ver_type >> 4 == 1
+    assert o.type == TYPE_RESULT and o.ver_type >> 4 == VERSION
     assert (o.job, o.slot, o.round, o.worker) == (job, slot, round_, m.worker)
     assert o.flags == flags, f"flags {o.flags:#x} != {flags:#x}"
     assert o.contributors == contributors and o.count == bin(contributors).count("1")

@@ -220,3 +220,49 @@ def test_flush_resets_the_slot(target):
     assert target.run(data_frames(m0, fresh[0], job=1, slot=6, expected=3, vpp=10,
                                   flags=FLAG_RETX)) == []
     check_counters(target, jobs={1: dict(rx=6, aggregated=4, results_multicast=1, flushes=2)})
+
+
+def test_rounds_wrap_around_with_serial_number_order(target):
+    """§4.2 (R1): round 0 is newer than 0xFFFFFFFF and 0xFFFFFFFE; a round half the
+    number space away (2^31) counts as older."""
+    job = make_job(1, 2)
+    target.start(make_config(job))
+    rng = np.random.default_rng(11)
+    m0 = job.members[0]
+    for r in (0xFFFFFFFE, 0xFFFFFFFF, 0, 1):        # copies 0, 1, 0, 1: each replaces one
+        idx = rng.integers(0, 16, (2, 5))
+        got = run_round(target, job, idx, slot=1, round_=r)
+        assert len(got) == 2, f"round {r:#x} must aggregate and complete"
+        for m, o in zip(job.members, sorted(got, key=lambda o: o.worker)):
+            check_result(o, m, job=1, slot=1, round_=r, sums=sums_of(idx), contributors=3,
+                         expected=3)
+    # Stale rounds of either copy, and a round 2^31 ahead of copy 0's round 0.
+    for stale, now_in_copy in ((0xFFFFFFFE, 0), (0xFFFFFFFF, 1), (0x80000000, 0)):
+        got = outputs(target.run(data_frames(m0, np.arange(5), job=1, slot=1, round_=stale,
+                                             expected=3, vpp=5)))
+        assert len(got) == 1, f"round {stale:#x}"
+        o = got[0]
+        assert o.type == TYPE_STRAGGLER and o.worker == 0 and o.port == m0.port
+        assert (o.round, o.contributors, o.count) == (now_in_copy, 3, 2), f"round {stale:#x}"
+    check_counters(target, jobs={1: dict(rx=11, aggregated=8, results_multicast=4,
+                                         straggler_notices=3)})
+
+
+def test_largest_packets_aggregate(target):
+    """8192 values in one DATA (R7): a job sized for it, where the plane allows it."""
+    values = 8192
+    if target.max_values < values:
+        pytest.skip(f"{target.name} carries at most {target.max_values} values per packet")
+    job = make_job(1, 2, pool_size=4, values_per_packet=values)
+    target.start(make_config(job))
+    idx = np.random.default_rng(12).integers(0, 16, (2, values))
+    frames = [f for w, m in enumerate(job.members)
+              for f in data_frames(m, idx[w], job=1, slot=3, expected=3, vpp=values)]
+    assert len(frames) == 2 and len(frames[0][1]) == 14 + 20 + 8 + 32 + values // 2
+    got = outputs(target.run(frames))
+    assert len(got) == 2
+    for m, o in zip(job.members, sorted(got, key=lambda o: o.worker)):
+        assert len(o.frame) == 14 + 20 + 8 + 32 + values        # 8266 bytes on the wire
+        check_result(o, m, job=1, slot=3, round_=0, sums=sums_of(idx), contributors=3,
+                     expected=3)
+    check_counters(target, jobs={1: dict(rx=2, aggregated=2, results_multicast=1)})

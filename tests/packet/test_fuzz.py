@@ -13,7 +13,7 @@ from scapy.packet import Raw, fuzz
 
 from dataplane.config import Route
 from dataplane.reference import GLOBAL_COUNTERS
-from host.packets import AGG_PORT_BASE, AggHeader, parse_frame
+from host.packets import AGG_PORT_BASE, VERSION, AggHeader, parse_frame
 from .scenario import (SWITCH_IP, SWITCH_MAC, check_result, data_frames, flush_frame,
                        make_config, make_job, outputs, sums_of)
 from .targets.reference import ReferenceTarget
@@ -52,12 +52,24 @@ def scapy_fuzzed(rng):
     return bytes(pkt)
 
 
+def as_fragment(rng, frame):
+    """The frame with random IPv4 fragment bits (MF and/or an offset), checksum left as is."""
+    f = bytearray(frame)
+    f[20:22] = (int(rng.integers(0, 2)) << 13 | int(rng.integers(0, 3)) * 7).to_bytes(2, "big")
+    if f[20:22] == b"\0\0":
+        f[20] = 0x20
+    return bytes(f)
+
+
 def storm(rng, jobs):
     for _ in range(N_FRAMES):
         port = int(rng.integers(0, 6))
         kind = rng.random()
-        if kind < 0.35:
+        if kind < 0.31:
             yield from valid_frame(rng, jobs)[:1]
+        elif kind < 0.35:
+            p, f = valid_frame(rng, jobs)[0]
+            yield p, as_fragment(rng, f)
         elif kind < 0.7:
             p, f = valid_frame(rng, jobs)[0]
             yield (p if rng.random() < 0.8 else port), mutate(rng, f)
@@ -72,7 +84,8 @@ def accounted(counters) -> int:
     g = counters["global"]
     total = sum(g[k] for k in GLOBAL_COUNTERS if not k.startswith("dlcp_"))
     for jc in counters["jobs"].values():
-        total += jc["rx"] + jc["drop_bad_slot"] + jc["drop_not_member"] + jc["drop_bad_expected"]
+        total += (jc["rx"] + jc["drop_bad_slot"] + jc["drop_not_member"]
+                  + jc["drop_bad_expected"] + jc["drop_unsatisfiable"])
         assert jc["rx"] == (jc["aggregated"] + jc["drop_duplicate"] + jc["results_reserved"]
                             + jc["straggler_notices"] + jc["flushes"])
     return total
@@ -91,12 +104,13 @@ def test_fuzzed_input_never_raises_and_every_frame_is_counted():
     assert accounted(c) == len(frames)
     assert c["global"]["forwarded"] > 0 and c["jobs"][1]["aggregated"] > 0
     assert sum(c["global"][k] for k in ("drop_truncated", "drop_bad_version", "drop_bad_length")) > 0
+    assert c["global"]["drop_fragment"] > 0 and c["jobs"][1]["drop_unsatisfiable"] > 0
     for port, frame in emitted:
         if port == 5:
             continue                      # forwarded ordinary traffic, passed through
         p = parse_frame(frame)
         assert p.eth_src == SWITCH_MAC and p.ip_src == SWITCH_IP and p.ip_checksum_ok
-        assert p.header is not None and int(p.header["ver_type"]) >> 4 == 1
+        assert p.header is not None and int(p.header["ver_type"]) >> 4 == VERSION
 
     # After the storm: flush, then one valid round per job aggregates exactly.
     for job in jobs:

@@ -1,9 +1,10 @@
 """Features of the reference model beyond the shared suite: the simulated clock of the
-DLCP service rate (§6) and set-up refusals (§3)."""
+DLCP service rate (§6), set-up limits (§3) and the CE checksum update (§1)."""
+import numpy as np
 import pytest
 
-from dataplane.config import ConfigError, Job
-from dataplane.reference import ReferenceSwitch
+from dataplane.config import ConfigError, Dlcp, Job
+from dataplane.reference import ReferenceSwitch, checksum_update
 from .scenario import TABLE, data_frames, make_config, make_job, member, outputs, tos_of
 
 
@@ -48,3 +49,34 @@ def test_negative_rate_and_oversized_pool_are_refused():
     overflow = Job(1, 4, TABLE, tuple(member(w, w) for w in range(9)))    # 9 x 30 > 255
     with pytest.raises(ConfigError, match="overflows the 8-bit"):
         ReferenceSwitch(make_config(overflow))
+
+
+def test_dlcp_limits_are_inclusive():
+    """The largest capacity and threshold of §3 are accepted (the suite checks refusals)."""
+    k = (0,) * 7 + ((1 << 32) - 1,)
+    sw = ReferenceSwitch(make_config(make_job(1, 2), dlcp=Dlcp(thresholds=k, capacity=1 << 20)))
+    assert sw.config.dlcp.capacity == 1 << 20
+
+
+def test_checksum_update_equals_a_full_recompute_for_any_header():
+    """R5: RFC 1624 eqn. 3 on a valid header (any IHL) gives the recomputed checksum."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        ihl = int(rng.integers(5, 16))
+        header = bytearray(rng.integers(0, 256, 4 * ihl, dtype=np.uint8).tobytes())
+        header[0] = 0x40 | ihl
+        header[10:12] = full_checksum(header).to_bytes(2, "big")
+        marked = bytearray(header)
+        marked[1] |= 3
+        incremental = checksum_update(int.from_bytes(header[10:12], "big"),
+                                      int.from_bytes(header[0:2], "big"),
+                                      int.from_bytes(marked[0:2], "big"))
+        assert incremental == full_checksum(marked)
+
+
+def full_checksum(header: bytes) -> int:
+    words = [int.from_bytes(header[i:i + 2], "big") for i in range(0, len(header), 2)]
+    total = sum(words) - words[5]
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF

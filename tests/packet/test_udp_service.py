@@ -1,4 +1,5 @@
 """The reference aggregator over real UDP sockets on loopback (dataplane/udp_service.py)."""
+import dataclasses
 import json
 import signal
 import socket
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataplane.config import ConfigError, Job, Member, SwitchConfig
+from dataplane.config import ConfigError, Dlcp, Job, Member, SwitchConfig, default_thresholds
 from dataplane.udp_service import serve
 from host.packets import (FLAG_RESERVE, FLAG_RETX, TYPE_RESULT, decode_headers, encode_data,
                           scatter_payloads)
@@ -109,8 +110,24 @@ def test_reserve_strangers_and_garbage(workers):
 def test_members_sharing_an_address_are_refused(process):
     m = Member(0, 0, "02:00:00:00:00:01", "127.0.0.1", 41000)
     config = SwitchConfig(jobs=(Job(1, 4, TABLE, (m, Member(1, 0, m.mac, m.ip, m.udp_port))),))
-    with pytest.raises(ConfigError, match="share the UDP address"):
+    with pytest.raises(ConfigError, match="workers 0 and 1 share the address 127.0.0.1:41000"):
         serve(config, "127.0.0.1", 0, process=process)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(dlcp=Dlcp(thresholds=(-1,) + default_thresholds()[1:])), "threshold -1 of queue 0"),
+    (dict(dlcp=Dlcp(capacity=(1 << 20) + 1)), "capacity 1048577"),
+    (dict(values_per_packet=8193), "the UDP service's limit of 8192 values per packet"),
+], ids=["threshold -1", "capacity 2^20 + 1", "values_per_packet 8193"])
+def test_the_service_refuses_what_every_plane_refuses(workers, change, words):
+    config = loopback_config(workers[:2])
+    if "values_per_packet" in change:
+        config = dataclasses.replace(config, jobs=(dataclasses.replace(
+            config.jobs[0], values_per_packet=change["values_per_packet"]),))
+    else:
+        config = dataclasses.replace(config, **change)
+    with pytest.raises(ConfigError, match=words):
+        serve(config, "127.0.0.1", 0)
 
 
 def test_cli_serves_and_reports_counters(workers, tmp_path):

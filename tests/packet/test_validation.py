@@ -4,6 +4,8 @@ Each bad packet claims worker 0's place in slot 2 round 0 with values that diffe
 the valid ones. If any of them touched the slot, the follow-up valid round would come out
 with the wrong sums, a duplicate drop, or no result at all.
 """
+import dataclasses
+
 import numpy as np
 
 from dataplane.config import Route
@@ -47,8 +49,16 @@ def set_ip_dst(frame: bytes, dst: bytes) -> bytes:
     return with_valid_ip_checksum(f)
 
 
-def malformed_cases(m0, stranger, max_values):
-    """(name, expected counter, scope, frame) for every check of §4.1."""
+def spoofed(m, **address):
+    """m's frame layout with some of its address fields replaced (a forged source)."""
+    return dataclasses.replace(m, **address)
+
+
+def malformed_cases(m0, m1, stranger, other_job, max_values):
+    """(name, expected counter, scope, frame) for every check of §4.1.
+
+    The job (workers 0 and 1) has values_per_packet = VALUES; `other_job` is job 2's
+    worker 0, attached to worker 0's switch port."""
     port, frame = raw_frame(m0, good_header() + GARBAGE)
     cases = [
         ("truncated", "drop_truncated", "global", (port, frame[:42 + 31])),
@@ -56,8 +66,10 @@ def malformed_cases(m0, stranger, max_values):
          raw_frame(m0, good_header()[:20])),
         ("version 0", "drop_bad_version", "global",
          raw_frame(m0, good_header(version=0) + GARBAGE)),
-        ("version 2", "drop_bad_version", "global",
-         raw_frame(m0, good_header(version=2) + GARBAGE)),
+        ("version 1", "drop_bad_version", "global",
+         raw_frame(m0, good_header(version=1) + GARBAGE)),
+        ("version 3", "drop_bad_version", "global",
+         raw_frame(m0, good_header(version=3) + GARBAGE)),
         ("type RESULT", "drop_bad_type", "global",
          raw_frame(m0, good_header(type=TYPE_RESULT) + GARBAGE * 2)),
         ("type STRAGGLER", "drop_bad_type", "global",
@@ -76,6 +88,10 @@ def malformed_cases(m0, stranger, max_values):
         ("num_values above MAX_VALUES", "drop_bad_length", "global",
          raw_frame(m0, good_header(num_values=max_values + 1)
                    + bytes([0xFF] * ((max_values + 2) // 2)))),
+        ("num_values above the job's values_per_packet", "drop_bad_length", "global",
+         raw_frame(m0, good_header(num_values=VALUES + 1) + GARBAGE + b"\xf0")),
+        ("above values_per_packet and slot beyond pool", "drop_bad_length", "global",
+         raw_frame(m0, good_header(num_values=VALUES + 1, slot=16) + GARBAGE + b"\xf0")),
         ("flush with payload", "drop_bad_length", "global",
          raw_frame(m0, good_header(type=TYPE_FLUSH, num_values=0) + GARBAGE)),
         ("unknown job", "drop_unknown_job", "global",
@@ -89,10 +105,28 @@ def malformed_cases(m0, stranger, max_values):
                                          expected=0b11 | 1 << stranger.worker) + GARBAGE)),
         ("worker id 40", "drop_not_member", "job",
          raw_frame(m0, good_header(worker=40) + GARBAGE)),
+        ("worker 0 from a foreign MAC", "drop_not_member", "job",
+         raw_frame(spoofed(m0, mac="02:00:00:00:99:99"), good_header() + GARBAGE)),
+        ("worker 0 from a foreign IPv4 source", "drop_not_member", "job",
+         raw_frame(spoofed(m0, ip="10.0.1.99"), good_header() + GARBAGE)),
+        ("worker 0 from a foreign UDP port", "drop_not_member", "job",
+         raw_frame(spoofed(m0, udp_port=m0.udp_port + 50), good_header() + GARBAGE)),
+        ("worker 1 posing as worker 0 on its port", "drop_not_member", "job",
+         raw_frame(spoofed(m1, port=m0.port), good_header() + GARBAGE)),
+        ("job 2's worker 0 posing as job 1's worker 0", "drop_not_member", "job",
+         raw_frame(other_job, good_header() + GARBAGE)),
         ("expected 0 and min_count 0", "drop_bad_expected", "job",
          raw_frame(m0, good_header(expected=0) + GARBAGE)),
         ("sender not in expected", "drop_bad_expected", "job",
          raw_frame(m0, good_header(expected=0b10) + GARBAGE)),
+        ("sender not in expected, which names a non-member", "drop_bad_expected", "job",
+         raw_frame(m0, good_header(expected=0b110) + GARBAGE)),
+        ("expected names a non-member", "drop_unsatisfiable", "job",
+         raw_frame(m0, good_header(expected=0b111) + GARBAGE)),
+        ("min_count above the expected workers", "drop_unsatisfiable", "job",
+         raw_frame(m0, good_header(expected=0b11, min_count=3) + GARBAGE)),
+        ("min_count above the job's size", "drop_unsatisfiable", "job",
+         raw_frame(m0, good_header(expected=0, min_count=3) + GARBAGE)),
         ("flush of a slot beyond pool", "drop_bad_slot", "job",
          raw_frame(m0, good_header(type=TYPE_FLUSH, num_values=0, slot=300))),
         ("flush from a non-member", "drop_not_member", "job",
@@ -103,17 +137,18 @@ def malformed_cases(m0, stranger, max_values):
 
 
 def test_every_malformed_input_is_dropped_counted_and_changes_no_slot(target):
-    job = make_job(1, 2, pool_size=16)
-    target.start(make_config(job))
+    job = make_job(1, 2, pool_size=16, values_per_packet=VALUES)
+    other = make_job(2, 1, ports=[0])
+    target.start(make_config(job, other))
     m0, m1 = job.members
     stranger = member(5, 3, job=1)
-    cases = malformed_cases(m0, stranger, target.max_values)
+    cases = malformed_cases(m0, m1, stranger, other.members[0], target.max_values)
     want_global, want_job = {}, {}
     for name, counter, scope, frame in cases:
         assert target.run([frame]) == [], f"{name}: a dropped packet emits nothing"
         want = want_global if scope == "global" else want_job
         want[counter] = want.get(counter, 0) + 1
-        check_counters(target, glob=want_global, jobs={1: want_job})
+        check_counters(target, glob=want_global, jobs={1: want_job, 2: {}})
     idx = np.random.default_rng(9).integers(0, 15, (2, VALUES))       # never index 15
     frames = (data_frames(m0, idx[0], job=1, slot=SLOT, expected=3, vpp=VALUES)
               + data_frames(m1, idx[1], job=1, slot=SLOT, expected=3, vpp=VALUES))
@@ -163,3 +198,58 @@ def test_ordinary_ipv4_is_forwarded_by_longest_prefix(target):
         assert p.eth_src == SWITCH_MAC
         assert out[12:] == (to_24 if egress == 3 else to_16)[12:], "IPv4 and up unchanged"
     check_counters(target, glob={"forwarded": 2}, jobs={1: {}})
+
+
+def fragment(frame: bytes, *, more: bool, offset_units: int = 0, dst: bytes | None = None,
+             protocol: int | None = None) -> bytes:
+    """The frame as an IPv4 fragment: MF flag, fragment offset (8-byte units), and
+    optionally another destination or protocol; a valid header checksum."""
+    f = bytearray(frame)
+    f[20:22] = ((0x2000 if more else 0) | offset_units).to_bytes(2, "big")
+    if dst is not None:
+        f[30:34] = dst
+    if protocol is not None:
+        f[23] = protocol
+    return with_valid_ip_checksum(f)
+
+
+def test_fragments_for_the_aggregator_are_dropped_and_others_forwarded(target):
+    """§4.1 row 1 (R4): a fragment aimed at the aggregator is drop_fragment and touches no
+    slot; a fragment of anything else is ordinary traffic, forwarded untouched."""
+    job = make_job(1, 2, pool_size=16)
+    routes = (Route("10.9.0.0/16", 2, "02:00:00:00:09:01"),)
+    target.start(make_config(job, routes=routes))
+    m0, m1 = job.members
+    port, data = raw_frame(m0, good_header() + GARBAGE)
+    routed = bytes([10, 9, 1, 1])
+    _, ordinary = raw_frame(m0, bytes(40), dport=53)
+    aimed = {
+        "lone first fragment of a DATA": fragment(data, more=True),
+        "last fragment to the switch, bytes like UDP + AGG": fragment(data, more=False,
+                                                                     offset_units=1),
+        "middle fragment to the switch, not UDP": fragment(data, more=True, offset_units=3,
+                                                           protocol=6),
+        "first fragment to the switch, not an AGG port": fragment(ordinary, more=True),
+    }
+    for name, frame in aimed.items():
+        assert target.run([(port, frame)]) == [], name
+    check_counters(target, glob={"drop_fragment": len(aimed)}, jobs={1: {}})
+
+    passing = [fragment(ordinary, more=True, dst=routed),
+               fragment(data, more=False, offset_units=1, dst=routed)]
+    got = target.run([(port, f) for f in passing])
+    assert len(got) == 2 and all(egress == 2 for egress, _ in got)
+    for (_, out), sent in zip(got, passing):
+        assert out[:6] == bytes.fromhex("020000000901") and out[6:12] == bytes.fromhex(
+            SWITCH_MAC.replace(":", ""))
+        assert out[12:] == sent[12:], "a forwarded fragment leaves untouched above layer 2"
+    check_counters(target, glob={"drop_fragment": len(aimed), "forwarded": 2}, jobs={1: {}})
+
+    idx = np.random.default_rng(10).integers(0, 15, (2, VALUES))      # never index 15
+    frames = (data_frames(m0, idx[0], job=1, slot=SLOT, expected=3, vpp=VALUES)
+              + data_frames(m1, idx[1], job=1, slot=SLOT, expected=3, vpp=VALUES))
+    got = outputs(target.run(frames))
+    assert len(got) == 2
+    for m, o in zip(job.members, sorted(got, key=lambda o: o.worker)):
+        check_result(o, m, job=1, slot=SLOT, round_=0, sums=sums_of(idx), contributors=3,
+                     expected=3)

@@ -86,7 +86,7 @@ def test_encode_results_matches_scapy_and_decodes():
     hdr = decode_headers(bufs, lengths)
     assert hdr["offset"].tolist() == [64, 128, 192]
     assert hdr["num_values"].tolist() == [64, 64, 22]
-    assert (hdr["ver_type"] == 0x11).all()
+    assert (hdr["ver_type"] == 0x21).all()
     out = np.zeros(150, dtype=np.uint8)
     scatter_payloads(bufs, lengths, hdr, out, base_offset=64)
     assert np.array_equal(out, sums)
@@ -114,7 +114,7 @@ def test_scatter_ignores_non_results_and_refuses_out_of_range():
                                    expected=1, contributors=1, count=1)
     hdr = decode_headers(bufs, lengths)
     hdr_mixed = hdr.copy()
-    hdr_mixed["ver_type"][1] = 0x12                       # a STRAGGLER row is skipped
+    hdr_mixed["ver_type"][1] = 0x22                       # a STRAGGLER row is skipped
     out = np.full(10, 99, dtype=np.uint8)
     scatter_payloads(bufs, lengths, hdr_mixed, out)
     assert out.tolist() == [0, 1, 2, 3, 99, 99, 99, 99, 8, 9]
@@ -183,7 +183,7 @@ def test_scapy_dissects_both_directions_and_strips_ethernet_padding():
 def test_the_worked_example_of_protocol_md():
     """docs/protocol.md §1 spells out one DATA packet byte for byte."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
-    example = "10 00 0001 0005 02 00 00000007 00000007 00000000 00000009 00000060 0003 00 00 1f 40"
+    example = "20 00 0001 0005 02 00 00000007 00000007 00000000 00000009 00000060 0003 00 00 1f 40"
     assert example in doc
     bufs, lengths = encode_data(pack([1, 15, 4]), 3, 64, job=1, worker=2, tensor=9, slots=5,
                                 rounds=7, expected=0b111, first_offset=96)

@@ -73,6 +73,42 @@ def test_dpdk_switch_testbed_sums_match_numpy(tmp_path):
 
 
 @needs_root
+@pytest.mark.skipif(not switch_available("bmv2")[0], reason=switch_available("bmv2")[1])
+def test_bmv2_switch_testbed_sums_match_numpy(tmp_path):
+    opts = tb.TestbedOptions(hosts=3, bw=50.0, switch="bmv2", values=1000,
+                             values_per_packet=64, pool_size=8, seed=7, timeout=60,
+                             workdir=str(tmp_path))
+    result = run_testbed(opts)
+    assert result.switch == "bmv2"
+    assert result.ok, result.hosts
+    packets = -(-1000 // 64)
+    for name, r in result.hosts.items():
+        assert r["received"] == packets and r["mismatches"] == 0, (name, r)
+    job = result.counters["jobs"][1] if 1 in result.counters["jobs"] else \
+        result.counters["jobs"]["1"]
+    assert job["results_multicast"] == packets and job["aggregated"] == 3 * packets
+    assert job["drop_not_member"] == 0
+    assert links_with(f"t{os.getpid() % 10000}") == []
+
+
+def switches_on(tag: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "simple_switch_grpc"], capture_output=True,
+                         text=True).stdout
+    return [line for line in out.splitlines() if f"@{tag}s-" in line]
+
+
+@needs_root
+@pytest.mark.skipif(not switch_available("bmv2")[0], reason=switch_available("bmv2")[1])
+def test_bmv2_refusing_the_job_leaves_no_switch_running(tmp_path):
+    # 65 values per packet: BMv2 refuses the job after simple_switch_grpc has started
+    opts = tb.TestbedOptions(hosts=2, switch="bmv2", values=100, values_per_packet=65,
+                             workdir=str(tmp_path))
+    with pytest.raises(tb.TestbedError, match="limit of 64 values per packet"):
+        run_testbed(opts)
+    assert switches_on(f"t{os.getpid() % 10000}") == []
+
+
+@needs_root
 def test_failing_host_command_is_reported_and_torn_down(tmp_path):
     opts = tb.TestbedOptions(hosts=2, switch="reference", bw=0, timeout=10,
                           command="echo host {worker} at {ip}; exit 3", workdir=str(tmp_path))

@@ -10,7 +10,7 @@ pre.mgid, port.port, tf<N>.tm.*) take the field names and choices of the SDE's b
 schema (bf_rt_tm_tf1.json) and behave as fixed-size tables (modify only)."""
 from __future__ import annotations
 
-from tests.tofino import tna_source as ts
+from . import tna_source as ts
 
 
 class StandInError(Exception):

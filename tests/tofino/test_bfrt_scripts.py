@@ -17,7 +17,7 @@ from bfrt_scripts import tofino_plan as tp
 from bfrt_scripts.bfrt_controls import BfrtWriter, ThcInaSwitch, as_int
 from dataplane import reference as ref
 from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
-from tests.tofino.bfrt_standin import BfrtStandIn, StandInError
+from .bfrt_standin import BfrtStandIn, StandInError
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 V2 = "values_per_packet" in Job.__dataclass_fields__

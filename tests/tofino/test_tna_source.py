@@ -18,7 +18,7 @@ from dataplane import config as dc
 from dataplane import reference as ref
 from dataplane.config import Job, Member, Route, SwitchConfig
 from host.packets import HEADER_DTYPE
-from tests.tofino import tna_source as ts
+from . import tna_source as ts
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 # Counter names of protocol v2 (protocol.md 4.5 plus rules R3 and R4).

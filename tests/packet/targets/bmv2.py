@@ -8,10 +8,18 @@ on it), start `simple_switch_grpc` (8 priority queues) on the switch ends
 pipeline and install the config with host.p4control, then inject and capture with raw
 AF_PACKET sockets opened inside the namespace.
 
-Paused ports (rate 0) are emulated with BMv2 queue rates: 1 packet/s on the port while
-the input arrives, then a high rate to drain in strict priority order. BMv2 lets the
-first packet of an idle queue leave at once, so on paused ports one packet per queue can
-leave before the rest of the input arrived (README of p4src/v1model, "Deviations").
+Paused ports (rate 0) are emulated with BMv2's rate limiter, whose rules are these
+(behavioral-model `QueueingLogicPriRL`): each (port, priority) queue fixes a packet's
+send time when it is enqueued, `max(now, last_sent + 1/rate)`, with `last_sent` starting
+when the queue is first used; a rate change does not move packets already queued; the
+dequeue takes the highest priority whose head is due. So a paused port gets no explicit
+rate (every other port is made unlimited, and the default rate for queues not used yet
+is PAUSE_RATE): its queues come into being with the burst's first packet, nothing leaves
+for 1/PAUSE_RATE s while the burst arrives, then packet k of every queue is due k/PAUSE_RATE
+s later. Two consequences, both documented BMv2 limits (p4src/v1model/README.md): the
+drain serves packets in rounds (the k-th packet of every non-empty queue, by priority,
+before any (k+1)-th), not strictly by priority across queues (`drain_order`), and one
+start() allows one run() on a paused port (its queues' clocks do not restart).
 """
 from __future__ import annotations
 
@@ -31,8 +39,7 @@ from .base import Target
 
 CLONE_NEWNET = 0x40000000
 PACKET_OUTGOING = 4
-QUEUE_DEPTH = 1024             # above any DLCP capacity: BMv2 never tail-drops uncounted
-DRAIN_RATE = 100000            # packets/s once a paused port is released
+PAUSE_RATE = 2                 # packets/s of a paused port's queues: the burst's budget is 1/rate
 MIN_PORTS = 8
 QUIET_S = 0.3                  # no frame for this long: the switch has emitted everything
 
@@ -99,6 +106,7 @@ class Bmv2Target(Target):
         self._thrift_port = 0
         self._paused: list[int] = []
         self._rates: dict[int, float] = {}
+        self._paused_runs = 0
 
     # -- set-up --
     def start(self, config: SwitchConfig, port_rates: dict[int, float] | None = None) -> None:
@@ -156,22 +164,29 @@ class Bmv2Target(Target):
         self._grpc_port = self._switch.grpc_port
         self._thrift_port = self._switch.thrift_port
 
-    def _cli(self, commands: list[str]) -> None:
-        proc = subprocess.run(["simple_switch_CLI", "--thrift-port", str(self._thrift_port)],
-                              input="\n".join(commands) + "\n", capture_output=True, text=True)
-        if proc.returncode != 0 or "Error" in proc.stdout:
-            raise RuntimeError(f"simple_switch_CLI failed: {proc.stdout}{proc.stderr}")
-
     def _configure_queues(self) -> None:
-        commands = [f"set_queue_depth {QUEUE_DEPTH}"]
-        for port, rate in self._rates.items():
-            commands.append(f"set_queue_rate {1 if rate == 0 else int(rate)} {port}")
-        self._cli(commands)
+        """Queue depth everywhere; paused ports take the default rate of unused queues."""
+        self._switch.set_queue_depth()
+        self._paused_runs = 0
+        if not self._paused:
+            commands = [f"set_queue_rate {int(r)} {p}" for p, r in self._rates.items()]
+        else:
+            commands = [f"set_queue_rate {PAUSE_RATE}"]
+            commands += [f"set_queue_rate {int(self._rates.get(p, 0))} {p}"
+                         for p in self._ports if p not in self._paused]
+        if commands:
+            self._switch.cli(commands)
+
+    drain_order = "rounds"             # see the module docstring: BMv2 rate-limiter drains
 
     # -- traffic --
     def run(self, frames: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         if self._switch is None:
             raise RuntimeError("run() before start()")
+        if self._paused and self._paused_runs:
+            raise RuntimeError("BMv2 target: a paused port allows one run() per start() "
+                               "(its queues' send clocks do not restart; module docstring)")
+        self._switch.check_alive("before run()")
         out: list[tuple[int, bytes]] = []
         for port, frame in frames:
             if port not in self._sockets:
@@ -179,12 +194,32 @@ class Bmv2Target(Target):
                                  f"(ports: {self._ports})")
             self._sockets[port].send(bytes(frame))
             out.extend(self._collect(0.0))
-        out.extend(self._collect(QUIET_S))
         if self._paused:
-            self._cli([f"set_queue_rate {DRAIN_RATE} {p}" for p in self._paused])
+            self._paused_runs += 1
+            early = [p for p, _ in out if p in self._paused]
+            if early:
+                raise RuntimeError(f"BMv2 target: paused port {early[0]} sent while the input "
+                                   f"was still arriving (the burst took longer than "
+                                   f"1/PAUSE_RATE = {1 / PAUSE_RATE} s); raise PAUSE_RATE's budget")
+            out.extend(self._drain_paused())
+        else:
             out.extend(self._collect(QUIET_S))
-            self._cli([f"set_queue_rate 1 {p}" for p in self._paused])
         return out
+
+    def _drain_paused(self) -> list[tuple[int, bytes]]:
+        """Wait until the paused ports' queues are empty. While any packet is queued, some
+        packet of those queues passes the egress DLCP stage every 1/PAUSE_RATE s (sent or
+        dropped there), so departures that stop growing for longer mean empty queues."""
+        out, last_count, last_change = [], -1, time.monotonic()
+        while True:
+            out.extend(self._collect(0.0))
+            count = sum(self._controller.port_departures(p) for p in self._paused)
+            now = time.monotonic()
+            if count != last_count:
+                last_count, last_change = count, now
+            elif now - last_change > 1.0 / PAUSE_RATE + QUIET_S:
+                return out + self._collect(QUIET_S)
+            time.sleep(0.05)
 
     def _collect(self, quiet_s: float) -> list[tuple[int, bytes]]:
         """Read every frame the switch sent; wait until nothing came for quiet_s."""
