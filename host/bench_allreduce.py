@@ -226,7 +226,9 @@ def run_benchmark(args) -> list[dict]:
         if bridged:
             with NetnsTestbed(args.workers, rate, mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
-                agg = start_reference(tb, job_config(tb, args.pool_size), Path(tmp)) \
+                config = job_config(tb, args.pool_size,
+                                    values_per_packet=args.values_per_packet)
+                agg = start_reference(tb, config, Path(tmp)) \
                     if "thc-agg" in bridged else None
                 try:
                     for mode in bridged:
@@ -237,8 +239,9 @@ def run_benchmark(args) -> list[dict]:
         if "thc-dpdk" in args.modes:
             with NetnsTestbed(args.workers, rate, switch="ports", mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
-                switch = start_dpdk(tb, job_config(tb, args.pool_size), Path(tmp),
-                                    args.switch_ring)
+                config = job_config(tb, args.pool_size,
+                                    values_per_packet=args.values_per_packet)
+                switch = start_dpdk(tb, config, Path(tmp), args.switch_ring)
                 try:
                     rows += _rows(_run_mode(tb, "thc-dpdk", args, Path(tmp)), "thc-dpdk", rate,
                                   tb, args)

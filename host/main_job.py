@@ -257,7 +257,7 @@ def _job_description(args, members):
     mems = [Member(worker=w, port=w, mac=f"02:00:00:00:00:{w + 1:02x}",
                    ip=ip if ip != "0.0.0.0" else "127.0.0.1", udp_port=port)
             for w, (ip, port) in enumerate(members)]
-    job = Job.from_thc(args.job, args.pool_size, mems)
+    job = Job.from_thc(args.job, args.pool_size, mems, values_per_packet=args.values_per_packet)
     return SwitchConfig(mac="02:00:00:00:00:fe", ip="127.0.0.1", jobs=(job,)).validate()
 
 
@@ -313,7 +313,9 @@ def start_dpdk_switch(args):
     mems = tuple(Member(worker=w, port=0, mac="02:00:00:00:d0:01", ip=host_ip, udp_port=p)
                  for w, p in enumerate(ports))
     config = SwitchConfig(mac="02:00:00:00:d0:fe", ip=switch_ip,
-                          jobs=(Job.from_thc(args.job, args.pool_size, mems),)).validate()
+                          jobs=(Job.from_thc(args.job, args.pool_size, mems,
+                                             values_per_packet=args.values_per_packet),)
+                          ).validate()
     service = HostService(config, iface=f"thcmj{os.getpid() % 100000}")
     try:
         service.start()
@@ -410,7 +412,7 @@ def run_on_links(args) -> dict:
                           mtu=mtu) as tb, tempfile.TemporaryDirectory() as tmp:
             aggregator, members, agg = None, None, None
             if run == "thc":
-                config = job_config(tb, args.pool_size, args.job)
+                config = job_config(tb, args.pool_size, args.job, args.values_per_packet)
                 agg = start_dpdk(tb, config, Path(tmp)) if dpdk else \
                     start_reference(tb, config, Path(tmp))
                 aggregator = (tb.switch_ip, AGG_PORT)

@@ -2,7 +2,7 @@
 namespace. Shared by host.bench_allreduce and host.main_job --link-mbit.
 
 * `job_config`: the job description of a testbed's hosts (worker w at host_ip(w),
-  WORKER_UDP_PORT);
+  WORKER_UDP_PORT), with the packet size the hosts send;
 * `start_reference`: the reference UDP service bound to the bridge in the switch
   namespace (in-network aggregation: its traffic crosses only the workers' links);
 * `start_dpdk`: the DPDK switch on the bare switch ports of a switch="ports" testbed
@@ -25,12 +25,13 @@ GLOO_PORT = 29600
 CLONE_NEWNET = 0x40000000
 
 
-def job_config(tb, pool_size: int, job: int = 1):
+def job_config(tb, pool_size: int, job: int = 1, values_per_packet: int = 1024):
     from dataplane.config import Job, Member, SwitchConfig
     members = [Member(worker=w, port=w, mac=tb.host_mac(w), ip=tb.host_ip(w),
                       udp_port=WORKER_UDP_PORT) for w in range(tb.num_hosts)]
     return SwitchConfig(ip=tb.switch_ip, mac=tb.switch_mac,
-                        jobs=(Job.from_thc(job, pool_size, members),)).validate()
+                        jobs=(Job.from_thc(job, pool_size, members,
+                                           values_per_packet=values_per_packet),)).validate()
 
 
 def python_env(**extra) -> dict:
