@@ -267,34 +267,39 @@ def test_a_worker_that_dies_fails_the_others_backward_not_a_hang():
 def test_the_codec_lets_the_training_thread_run():
     """The exchange thread's Numba kernels release the GIL: a Python thread keeps running
     while one long quantize call (a single kernel launch) is in progress. (A plain @njit
-    loop without nogil=True holds the GIL for its whole run: one gap as long as the call.)"""
+    loop without nogil=True holds the GIL for its whole run: one gap as long as the call.)
+    The best of five calls counts: on a busy machine the OS may not run the other thread
+    during any one of them."""
     import threading
 
     import numba
     codec = thc.THCCodec(seed=1)
-    x = np.random.default_rng(0).standard_normal(1 << 23).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32)
     rotated = codec.rotate(x)
     norms = codec.partition_norms(x)
     codec.quantize(rotated, norms, worker=0, round=0, tensor=0)       # compiled and warm
-    ticks, stop = [], threading.Event()
-
-    def count():
-        while not stop.is_set():
-            ticks.append(time.perf_counter())
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
+    best = None
     try:
-        spinner = threading.Thread(target=count)
-        spinner.start()
-        time.sleep(0.05)
-        t0 = time.perf_counter()
-        codec.quantize(rotated, norms, worker=0, round=1, tensor=0)
-        t1 = time.perf_counter()
-        stop.set()
-        spinner.join()
+        for attempt in range(5):
+            ticks, stop = [], threading.Event()
+
+            def count():
+                while not stop.is_set():
+                    ticks.append(time.perf_counter())
+            spinner = threading.Thread(target=count)
+            spinner.start()
+            time.sleep(0.02)
+            t0 = time.perf_counter()
+            codec.quantize(rotated, norms, worker=0, round=attempt + 1, tensor=0)
+            t1 = time.perf_counter()
+            stop.set()
+            spinner.join()
+            inside = [t for t in ticks if t0 <= t <= t1]
+            gap = float(np.diff(np.concatenate([[t0], inside, [t1]])).max()) / (t1 - t0)
+            best = gap if best is None else min(best, gap)
     finally:
         numba.set_num_threads(threads)
-    inside = np.array([t for t in ticks if t0 <= t <= t1])
-    gaps = np.diff(np.concatenate([[t0], inside, [t1]]))
-    # Holding the GIL, the kernel would leave one gap as long as itself.
-    assert len(inside) > 100 and gaps.max() < 0.5 * (t1 - t0), (t1 - t0, gaps.max())
+    # Holding the GIL, the kernel would leave one gap as long as itself (ratio ~1).
+    assert best < 0.5, best
