@@ -1,31 +1,56 @@
 """THC allreduce: the mean of one gradient tensor over all workers, THC-compressed.
 
-One call (notes/thc.md §3, DESIGN.md §3):
+One call (notes/thc.md §3, DESIGN.md §3), for each pipeline chunk k of the tensor:
 
-  x = grad + e                                 error feedback (thc.ErrorFeedback)
-  control exchange (all_reduce MAX, W+2 floats) sizes agree? any NaN/Inf? -> clear error on
-                                               every worker at once, never a hang
-  norms: all_reduce MAX, overlapped with the RHT   (one float per partition per worker)
-  packed = quantize(RHT(x), max norms)         4-bit indices, counter-based RNG
-  sums, counts = exchange(packed)              integer sums of table values
-  mean = decode(sums, counts, max norms)       m + (Y/count)(M-m)/g, inverse RHT
-  e = x - own decoded                          error feedback update
+  x_k = RHT(grad_k) + e_k, norms_k             error feedback in the rotated domain, fused
+                                               into the RHT, which also gives the norms
+  control exchange (all_reduce MAX, 2W+4 floats, with chunk 0's norms) sizes agree? any
+                                               NaN/Inf? -> clear error on every worker at
+                                               once, before anything is sent, never a hang
+  norms_k: all_reduce MAX, overlapped with chunk k-1's quantization and chunk k+1's RHT
+  packed_k = quantize(x_k, max norms_k),       4-bit indices, counter-based RNG; the new
+  e_k = x_k - own quantized values_k           error in the same pass (no inverse RHT)
+  sums_k, counts_k = exchange(packed_k)        integer sums of table values
+  mean_k = decode(sums_k, counts_k, norms_k)   m + (Y/count)(M-m)/g, inverse RHT, written
+                                               straight into the output
 
-The max-norm exchange runs through the torch process group (gloo or NCCL), not through the
-aggregator: it is W floats per partition, it needs MAX (the aggregator only adds small
-integers), and the process group is there anyway for DDP. It is started asynchronously
-before the RHT and waited for after it, so the two overlap.
+error_domain="gradient" keeps the paper's order instead: x_k = grad_k + e_k, its norms
+exchanged while the RHT runs, and e_k = x_k - RHT^-1(own quantized values) after the
+decode (a second inverse RHT and two more passes per call; docs/perf.md measures both).
+
+Pipelining: a large tensor is cut into chunks of whole RHT partitions (`pipeline_values`
+padded values, a multiple of the partition size and of the packet size); chunk k+1 is
+compensated, normed, rotated and quantized while chunk k is on the wire, and chunk k-1
+is decoded as soon as its sums are in. Chunk k is coded as a vector of its own (the
+tensor's partitions, its own rounding key); a tensor of one chunk is coded exactly as
+before. Peak memory is the output plus a few chunks, not several copies of the tensor.
+
+The max-norm exchanges run through the torch process group (gloo or NCCL), not through
+the aggregator: a few floats per partition, they need MAX (the aggregator only adds small
+integers), and the process group is there anyway for DDP.
 
 Two exchanges for the integer sums:
 * `AggregatorExchange`: the in-network path, packed indices to the aggregator over UDP
-  (host.transport), 4 bits up and 8 bits down per value;
+  (host.transport, streamed chunk by chunk), 4 bits up and 8 bits down per value;
 * `SumAllreduceExchange`: any cluster without a switch. Each worker looks its indices up in
   the table (uint8 values 0..g) and runs torch.distributed.all_reduce(SUM) on those integer
-  lanes. THC is homomorphic, so the integer sum decodes to exactly the mean the aggregator
-  would give. Lanes are uint8 when n*g <= 255, else int16/int32 (wider lanes, documented).
+  lanes (asynchronously, one per chunk). THC is homomorphic, so the integer sum decodes to
+  exactly the mean the aggregator would give. Lanes are uint8 when n*g <= 255, else
+  int16/int32 (wider lanes, documented).
+
+Asynchronous use: `THCAllreduce.submit` returns a torch.futures.Future and runs the call
+on the process's exchange thread (`exchange_thread()`): one thread, calls in submission
+order, so the buckets of a DDP step complete in order while backward goes on. An error
+in the thread reaches whoever waits on the future, as the same exception; an error that
+every worker raised together (sizes, dtype, NaN) leaves the state usable, any other
+(a dead worker, a timeout) makes later calls fail at once instead of hanging.
 """
 from __future__ import annotations
 
+import math
+import os
+import queue
+import threading
 import time
 
 import numpy as np
@@ -36,6 +61,9 @@ import thc
 from host.transport import default_policy
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
+CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
+PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
 
 
 class AllreduceError(RuntimeError):
@@ -44,6 +72,69 @@ class AllreduceError(RuntimeError):
 
 class SizeMismatchError(AllreduceError):
     pass
+
+
+# --------------------------------------------------------------------------- exchange thread
+
+class ExchangeThread:
+    """One thread per process that runs submitted calls one at a time, in order.
+
+    submit(fn, *args) -> torch.futures.Future completed with fn's result, or its exception.
+    Started on first use (and again in a forked child, which does not inherit it), with
+    the Numba thread count of the thread that started it (Numba's setting is per thread:
+    a worker that limits itself with numba.set_num_threads keeps that limit here).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue = None
+        self._pid = None
+        self._thread = None
+
+    def submit(self, fn, *args) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue = queue.SimpleQueue()
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run,
+                                                args=(self._queue, _numba_threads()),
+                                                name="thc-exchange", daemon=True)
+                self._thread.start()
+            self._queue.put((fut, fn, args))
+        return fut
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue, numba_threads: int | None) -> None:
+        if numba_threads:
+            import numba
+            numba.set_num_threads(numba_threads)
+        while True:
+            fut, fn, args = jobs.get()
+            try:
+                result = fn(*args)
+            except BaseException as exc:      # the waiter gets it, the thread goes on
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+
+def _numba_threads() -> int | None:
+    import sys
+    if "numba" not in sys.modules:
+        return None
+    return sys.modules["numba"].get_num_threads()
+
+
+_EXCHANGE_THREAD = ExchangeThread()
+
+
+def exchange_thread() -> ExchangeThread:
+    """The process's exchange thread (shared by every THCAllreduce)."""
+    return _EXCHANGE_THREAD
 
 
 # --------------------------------------------------------------------------- exchanges
@@ -57,38 +148,82 @@ class AggregatorExchange:
         self.transport = transport
         self.codec = codec
 
+    @property
+    def values_per_packet(self) -> int:
+        return self.transport.vpp
+
     def start(self, group, timeout: float) -> None:
         """Flush the job's slots, then wait for every worker (no flush after a contribution)."""
         self.transport.flush()
         _barrier(group, "waiting for every worker to flush the aggregator slots", timeout)
 
+    def open(self, padded: int, tensor: int, *, layer=0, num_layers=1,
+             background=False) -> "_AggregatorStream":
+        """A tensor's stream; background: an I/O thread keeps its window full while this
+        thread quantizes the next chunk (host.transport.TensorStream)."""
+        return _AggregatorStream(self, self.transport.open_stream(
+            padded, tensor, layer=layer, num_layers=num_layers, background=background))
+
     def sum(self, packed, padded: int, tensor: int, *, rotated=None, layer=0, num_layers=1):
-        packed_np = _to_numpy(packed)
-        # The rotated values only matter to a DLCP policy; skip the copy (GPU -> host) else.
-        wants_values = self.transport.policy is not default_policy
-        values = _to_numpy(rotated) if rotated is not None and wants_values else None
-        res = self.transport.allreduce(packed_np, padded, tensor, values=values, layer=layer,
-                                       num_layers=num_layers)
-        counts = res.counts_per_value(padded)
-        sums = res.sums
-        if not np.isscalar(counts) and (np.asarray(counts) == 0).any():
-            # Chunks given up after a straggler notice: use this worker's own values there.
-            own = np.asarray(self.codec.lookup(packed_np))
-            missing = np.asarray(counts) == 0
-            sums = sums.copy()
-            sums[missing] = own[missing]
-            counts = np.where(missing, 1, counts)
-        return sums, counts
+        """The sums and counts of one whole tensor (one submission)."""
+        stream = self.open(padded, tensor, layer=layer, num_layers=num_layers)
+        stream.submit(0, padded, packed, rotated)
+        result = stream.result(0, padded)
+        stream.finish()
+        return result
 
     @property
     def bytes_sent(self) -> int:
         return self.transport.stats.bytes_sent
 
 
+class _AggregatorStream:
+    """One tensor through the aggregator, submitted and read back range by range."""
+
+    def __init__(self, exchange: AggregatorExchange, stream):
+        self.exchange, self.stream = exchange, stream
+        self.packed = {}                 # lo -> this worker's packed range (for give-ups)
+        # The rotated values only matter to a DLCP policy; skip the copy (GPU -> host) else.
+        self.wants_values = exchange.transport.policy is not default_policy
+
+    def submit(self, lo: int, hi: int, packed, rotated) -> None:
+        packed_np = _to_numpy(packed)
+        self.packed[lo] = packed_np
+        values = _to_numpy(rotated) if rotated is not None and self.wants_values else None
+        self.stream.submit(packed_np, hi - lo, values=values)
+
+    def pump(self) -> None:
+        self.stream.pump()
+
+    def ready(self, hi: int) -> bool:
+        return self.stream.values_done() >= hi
+
+    def result(self, lo: int, hi: int):
+        """(sums, counts) of padded values [lo, hi), waiting for them."""
+        self.stream.wait_values(hi)
+        sums, counts = self.stream.sums[lo:hi], self.stream.counts(lo, hi)
+        if not np.isscalar(counts) and (np.asarray(counts) == 0).any():
+            # Chunks given up after a straggler notice: use this worker's own values there.
+            own = np.asarray(self.exchange.codec.lookup(self.packed[lo]))
+            missing = np.asarray(counts) == 0
+            sums = sums.copy()
+            sums[missing] = own[missing]
+            counts = np.where(missing, 1, counts)
+        self.packed.pop(lo, None)
+        return sums, counts
+
+    def finish(self) -> None:
+        self.stream.finish()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 class SumAllreduceExchange:
     """Integer sums with torch.distributed.all_reduce(SUM) on table-value lanes."""
 
     name = "sum-allreduce"
+    values_per_packet = 1
 
     def __init__(self, codec, group=None):
         self.codec = codec
@@ -105,16 +240,50 @@ class SumAllreduceExchange:
     def start(self, group, timeout: float) -> None:
         _barrier(group, "waiting for every worker to join the THC allreduce", timeout)
 
+    def open(self, padded: int, tensor: int, *, layer=0, num_layers=1,
+             background=False) -> "_SumStream":
+        return _SumStream(self)
+
     def sum(self, packed, padded: int, tensor: int, *, rotated=None, layer=0, num_layers=1):
-        values = self.codec.lookup(packed)
-        lanes = torch.as_tensor(values).to(self.lane_dtype)
+        stream = self.open(padded, tensor)
+        stream.submit(0, padded, packed, rotated)
+        return stream.result(0, padded)
+
+
+class _SumStream:
+    """Each submitted range is one asynchronous all_reduce(SUM) of its lanes."""
+
+    def __init__(self, exchange: SumAllreduceExchange):
+        self.exchange = exchange
+        self.pending = {}                # lo -> (hi, lanes, work)
+
+    def submit(self, lo: int, hi: int, packed, rotated) -> None:
+        ex = self.exchange
+        lanes = torch.as_tensor(ex.codec.lookup(packed)).to(ex.lane_dtype)
         if isinstance(packed, torch.Tensor):
             lanes = lanes.to(packed.device)
-        dist.all_reduce(lanes, op=dist.ReduceOp.SUM, group=self.group)
+        work = dist.all_reduce(lanes, op=dist.ReduceOp.SUM, group=ex.group, async_op=True)
+        self.pending[lo] = (hi, lanes, work)
         # A ring allreduce sends 2(n-1)/n of the buffer per worker.
-        self.bytes_sent += int(2 * (self.world - 1) / self.world * lanes.numel()
-                               * lanes.element_size())
-        return lanes, self.world
+        ex.bytes_sent += int(2 * (ex.world - 1) / ex.world * lanes.numel()
+                             * lanes.element_size())
+
+    def pump(self) -> None:
+        pass                             # gloo/NCCL progress on their own threads
+
+    def ready(self, hi: int) -> bool:
+        return all(work.is_completed() for h, _, work in self.pending.values() if h <= hi)
+
+    def result(self, lo: int, hi: int):
+        _, lanes, work = self.pending.pop(lo)
+        work.wait()
+        return lanes, self.exchange.world
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pending.clear()             # after an error: the works keep their own buffers
 
 
 # --------------------------------------------------------------------------- allreduce
@@ -123,43 +292,104 @@ class THCAllreduce:
     """Mean of a tensor over the process group with THC compression.
 
     codec: thc.THCCodec shared (same seed/config) by every worker; exchange: an
-    AggregatorExchange or SumAllreduceExchange; group: the torch process group used for
-    the control and norm exchanges (default group when None).
+    AggregatorExchange or SumAllreduceExchange; group: the torch process group of the
+    control and norm exchanges (None: a group of its own over every rank, made at the
+    first call, so the exchange thread's collectives never interleave with the training
+    thread's); pipeline_values: padded values per pipeline chunk (rounded up to whole
+    partitions and packets; 0: the whole tensor at once); error_domain: "rotated" (error
+    feedback kept after the RHT: one inverse RHT per call) or "gradient" (the paper's).
+    Every worker must use the same codec, pipeline_values and error_domain (the control
+    exchange checks pipeline_values).
     """
 
     def __init__(self, codec, exchange, *, group=None, error_feedback: bool = True,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES,
+                 error_domain: str = "rotated"):
         if not dist.is_initialized():
             raise RuntimeError("THCAllreduce needs torch.distributed initialized "
                                "(dist.init_process_group) for the norm exchange")
+        if pipeline_values < 0:
+            raise ValueError(f"pipeline_values must be >= 0 (0: no pipelining), got "
+                             f"{pipeline_values}")
+        if error_domain not in ("rotated", "gradient"):
+            raise ValueError(f"error_domain must be 'rotated' or 'gradient', got "
+                             f"{error_domain!r}")
         self.codec = codec
         self.exchange = exchange
         self.group = group
+        self._own_group = group is None and dist.get_world_size() > 1
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if exchange.name == "aggregator":
             thc.check_lanes(self.world, int(np.max(codec.table)))   # the switch's 8-bit lanes
-        self.error_feedback = thc.ErrorFeedback() if error_feedback else None
+        self.error_feedback = ChunkedErrorFeedback(rotated=error_domain == "rotated") \
+            if error_feedback else None
+        self.pipeline_values = int(pipeline_values)
         self.calls: dict[int, int] = {}        # per tensor key: rounds of the RNG
         self.verified_sizes: dict[int, int] = {}   # per tensor key: size all workers agreed
-        self.seconds = {"total": 0.0, "exchange": 0.0}   # where the time goes (main job)
+        # Where the time goes (main job): "total" per call, blocked on the sums
+        # ("exchange") and on the control and norm exchanges ("norms").
+        self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0}
         self.control_bytes = 0
         self.start_timeout = start_timeout
         self._started = False
+        self._failed: BaseException | None = None
 
     def start(self) -> None:
         """Job start: every worker calls it once (flushes the aggregator's slots)."""
-        if not self._started:
-            self.exchange.start(self.group, self.start_timeout)
-            self._started = True
+        if self._started:
+            return
+        self.exchange.start(self.group, self.start_timeout)
+        if self._own_group:
+            # Every rank is here (the barrier said so): make the private group now.
+            self.group = dist.new_group(backend=dist.get_backend())
+            if isinstance(self.exchange, SumAllreduceExchange):
+                self.exchange.group = self.group
+        self._started = True
+
+    def submit(self, tensor: torch.Tensor, key: int = 0, *, layer: int = 0,
+               num_layers: int = 1, reset_error: bool = False,
+               then=None) -> torch.futures.Future:
+        """The THC mean of `tensor`, computed on the exchange thread: a Future of it.
+
+        The tensor is read on that thread: do not change it until the future completes.
+        reset_error drops the tensor's stored error-feedback state first (its layout
+        changed); then(mean), when given, also runs there and its value completes the
+        future (wait() raises the original exception of either)."""
+        def job():
+            mean = self._guarded(tensor, key, layer, num_layers, reset_error)
+            return mean if then is None else then(mean)
+        return exchange_thread().submit(job)
 
     def __call__(self, tensor: torch.Tensor, key: int = 0, *, layer: int = 0,
                  num_layers: int = 1) -> torch.Tensor:
-        """The THC mean of `tensor` over all workers (same shape and dtype)."""
+        """The THC mean of `tensor` over all workers (same shape and dtype); blocks."""
+        if exchange_thread().on_thread():          # called from a submitted job
+            return self._guarded(tensor, key, layer, num_layers, False)
+        return self.submit(tensor, key, layer=layer, num_layers=num_layers).wait()
+
+    def _guarded(self, tensor, key, layer, num_layers, reset_error):
+        if self._failed is not None:
+            raise AllreduceError(
+                f"an earlier THC exchange on this worker failed ({type(self._failed).__name__}: "
+                f"{self._failed}); the job's aggregator rounds and process group are out of "
+                "step, so no further exchange can succeed: restart the job") from self._failed
+        try:
+            if reset_error and self.error_feedback:
+                self.error_feedback.reset(key)
+            return self._reduce(tensor, key, layer, num_layers)
+        except BaseException as exc:
+            if not getattr(exc, "thc_agreed", False):
+                self._failed = exc
+            raise
+
+    # ----------------------------------------------------------------- one call
+
+    def _reduce(self, tensor, key, layer, num_layers) -> torch.Tensor:
         self.start()
         t_start = time.perf_counter()
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+            raise _agreed(TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}"))
         # Agree first (dtype, size, finiteness) so a bad worker fails every worker at once,
         # instead of failing alone and leaving the others blocked in the next collective.
         good_dtype = tensor.dtype in SUPPORTED_DTYPES
@@ -167,85 +397,169 @@ class THCAllreduce:
         d = flat.numel()
         finite = good_dtype and _all_finite(flat)
         local = (d, finite, good_dtype, key, flat.device, tensor.dtype)
-        combined = None
+        ranges = self.chunk_ranges(d)
+        padded = np.cumsum([0] + [self.codec.padded_length(hi - lo) for lo, hi in ranges])
+        ranges = [(lo, hi, int(plo), int(phi))           # and each chunk's padded range
+                  for (lo, hi), plo, phi in zip(ranges, padded[:-1], padded[1:])]
+        padded_total = int(padded[-1])
+        first = None
         if key in self.verified_sizes:
             # Every worker verified this tensor's size before, so all agree on the length
-            # of one combined exchange: [norms of the verified layout | control fields].
-            combined = self._combined_exchange(flat, local)
+            # of one combined exchange: [chunk 0's norms of the verified layout | control].
+            first = self._combined_exchange(flat, local, ranges)
         else:
             # First call for this tensor: the control fields alone (fixed length) first.
             self._check_agreement(*local)
-        if combined is None:
-            # The norms, exchanged while the RHT runs.
-            x = self.error_feedback.compensate(key, flat) if self.error_feedback else flat
-            norms = _as_torch(self.codec.partition_norms(x), flat.device).float()
-            pending = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group,
-                                      async_op=True)
-            rotated = self.codec.rotate(x)
-            pending.wait()
-            self.verified_sizes[key] = d
-        else:
-            x, norms, rotated = combined
-        self.control_bytes += 4 * norms.numel()
-        max_norms = norms if isinstance(rotated, torch.Tensor) else norms.cpu().numpy()
+        self.verified_sizes[key] = d
         rnd = self.calls.get(key, 0)
         self.calls[key] = rnd + 1
-        packed = self.codec.quantize(rotated, max_norms, worker=self.rank, round=rnd,
-                                     tensor=key)
-        padded = self.codec.padded_length(d)
-        t_exchange = time.perf_counter()
-        sums, counts = self.exchange.sum(packed, padded, key, rotated=rotated, layer=layer,
-                                         num_layers=num_layers)
-        self.seconds["exchange"] += time.perf_counter() - t_exchange
-        if isinstance(rotated, torch.Tensor):
-            sums = torch.as_tensor(np.asarray(sums) if not isinstance(sums, torch.Tensor)
-                                   else sums).to(rotated.device)
-        mean = _as_torch(self.codec.decode(sums, counts, max_norms, d), flat.device)
-        if self.error_feedback:
-            # e = x - RHT^-1(own quantized values), in the gradient's domain.
-            own = self.codec.inverse_rotate(self.codec.dequantize(packed, max_norms), d)
-            self.error_feedback.update(key, x, _as_torch(own, flat.device))
+        mean = torch.empty(d, dtype=torch.float32, device=flat.device)
+        stream = self.exchange.open(padded_total, key, layer=layer, num_layers=num_layers,
+                                    background=len(ranges) > 1)
+        try:
+            self._pipeline(stream, flat, key, rnd, ranges, first, mean)
+        except BaseException:
+            stream.close()
+            raise
         self.seconds["total"] += time.perf_counter() - t_start
         return mean.to(tensor.dtype).reshape(tensor.shape)
 
-    def _combined_exchange(self, flat, local):
-        """One MAX exchange of the norms and the control fields; RHT while it runs.
+    def chunk_ranges(self, d: int) -> list[tuple[int, int]]:
+        """The pipeline chunks of a d-float tensor: (lo, hi) ranges of whole partitions."""
+        step = self._chunk_step()
+        if not step or d <= step:
+            return [(0, d)]
+        return [(lo, min(lo + step, d)) for lo in range(0, d, step)]
+
+    def _chunk_step(self) -> int:
+        if not self.pipeline_values:
+            return 0
+        unit = math.lcm(self.codec.partition_size, self.exchange.values_per_packet)
+        return -(-self.pipeline_values // unit) * unit
+
+    def _pipeline(self, stream, flat, key, rnd, ranges, first, mean) -> None:
+        """Chunks prepared (compensated, normed, rotated; their norm exchange started) up to
+        PREPARE_AHEAD ahead of the one being quantized, quantized while earlier ones are on
+        the wire, and decoded in order as their sums come in."""
+        prepared, in_flight = [], []              # prepared, not sent / sent, not decoded
+        upcoming = 0
+        if first is not None:
+            prepared.append(first)
+            upcoming = 1
+        for k in range(len(ranges)):
+            while upcoming < len(ranges) and upcoming <= k + PREPARE_AHEAD:
+                prepared.append(self._prepare(flat, key, ranges[upcoming], ranges[-1][3]))
+                upcoming += 1
+                stream.pump()
+            chunk = prepared.pop(0)
+            t0 = time.perf_counter()
+            max_norms = chunk.wait_norms()
+            self.seconds["norms"] += time.perf_counter() - t0
+            self.control_bytes += 4 * chunk.num_norms
+            chunk.packed = self.codec.quantize(chunk.rotated, max_norms, worker=self.rank,
+                                               round=rnd, tensor=key + k * CHUNK_KEY_STRIDE,
+                                               error_out=chunk.error_out)
+            stream.submit(*chunk.padded, chunk.packed, chunk.rotated)
+            chunk.rotated = None
+            in_flight.append(chunk)
+            last = k + 1 == len(ranges)
+            while in_flight and (last or stream.ready(in_flight[0].padded[1])):
+                self._decode(stream, in_flight.pop(0), key, mean)
+        stream.finish()
+
+    def _prepare(self, flat, key, rng, padded_total: int) -> "_Chunk":
+        """One chunk's values, norms and RHT; its norm exchange runs during the RHT
+        (gradient-domain error feedback) or after it (rotated domain: the norms are of the
+        rotated, compensated values; the exchange overlaps the next chunk's work)."""
+        chunk = self._chunk_values(flat, key, rng, padded_total)
+        norms = _as_torch(chunk.norms, flat.device).float()
+        chunk.norms, chunk.num_norms = norms, len(norms)
+        chunk.work = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group,
+                                     async_op=True)
+        if chunk.rotated is None:
+            chunk.rotated = self.codec.rotate(chunk.x)
+        return chunk
+
+    def _chunk_values(self, flat, key, rng, padded_total: int) -> "_Chunk":
+        """The chunk rng = (lo, hi, padded lo, padded hi) with its (compensated) values and
+        host norms; rotated already in the rotated error-feedback domain (the norms come
+        out of the RHT, with the error added in the same pass), else not yet."""
+        lo, hi, plo, phi = rng
+        ef = self.error_feedback
+        if ef is not None and ef.rotated:
+            e = ef.rotated_error(key, padded_total, flat)
+            rotated, norms = self.codec.rotate_and_norms(flat[lo:hi], add=e[plo:phi])
+            chunk = _Chunk(rng, flat[lo:hi], rotated, norms)
+            chunk.error_out = e[plo:phi]
+            return chunk
+        x = ef.compensate_range(key, flat, lo, hi) if ef is not None else flat[lo:hi]
+        return _Chunk(rng, x, None, self.codec.partition_norms(x))
+
+    def _decode(self, stream, chunk: "_Chunk", key, mean) -> None:
+        t0 = time.perf_counter()
+        sums, counts = stream.result(*chunk.padded)
+        self.seconds["exchange"] += time.perf_counter() - t0
+        max_norms = chunk.max_norms
+        if isinstance(chunk.x, torch.Tensor) and chunk.x.is_cuda:
+            sums = torch.as_tensor(np.asarray(sums) if not isinstance(sums, torch.Tensor)
+                                   else sums).to(chunk.x.device)
+        n = chunk.hi - chunk.lo
+        self.codec.decode(sums, counts, max_norms, n, out=mean[chunk.lo:chunk.hi])
+        if self.error_feedback and not self.error_feedback.rotated:
+            # e = x - RHT^-1(own quantized values), in the gradient's domain.
+            own = self.codec.inverse_rotate(self.codec.dequantize(chunk.packed, max_norms), n)
+            self.error_feedback.update_range(key, chunk.lo, chunk.x, _as_torch(own, mean.device),
+                                             len(mean))
+
+    def _combined_exchange(self, flat, local, ranges):
+        """One MAX exchange of chunk 0's norms and the control fields; RHT while it runs.
 
         A worker whose tensor is bad (size, dtype, NaN) still sends a vector of the agreed
         length (zero norms), so every worker gets the control fields and raises the same
-        error; nobody is left waiting in a collective.
+        error; nobody is left waiting in a collective. Returns chunk 0 prepared, or None
+        when every worker changed the size (e.g. DDP rebuilt its buckets).
         """
         d, finite, good_dtype, key, device, dtype = local
-        parts = self.codec.num_partitions(self.verified_sizes[key])
+        verified = self.chunk_ranges(self.verified_sizes[key])[0]
+        parts = self.codec.num_partitions(verified[1] - verified[0])
         usable = finite and good_dtype and d == self.verified_sizes[key]
-        x = flat
         norms = torch.zeros(parts, dtype=torch.float64)
+        chunk = None
         if usable:
-            x = self.error_feedback.compensate(key, flat) if self.error_feedback else flat
-            norms[:] = torch.from_numpy(np.asarray(self.codec.partition_norms(x), np.float64))
+            chunk = self._chunk_values(flat, key, ranges[0], ranges[-1][3])
+            norms[:] = torch.from_numpy(np.asarray(chunk.norms, np.float64))
         vector = torch.cat([norms, self._control_vector(d, finite, good_dtype)])
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             vector = vector.to(device)
         pending = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group,
                                   async_op=True)
-        rotated = self.codec.rotate(x) if usable else None   # overlaps with the exchange
+        if chunk is not None and chunk.rotated is None:
+            chunk.rotated = self.codec.rotate(chunk.x)      # overlaps with the exchange
+        t0 = time.perf_counter()
         pending.wait()
+        self.seconds["norms"] += time.perf_counter() - t0
         vector = vector.cpu()
         self.control_bytes += 8 * (vector.numel() - parts)
         self._raise_on_disagreement(vector[parts:], d, good_dtype, key, dtype)
         if not usable:
-            # No error, so every worker has the same new size (e.g. DDP rebuilt its
-            # buckets): exchange the norms of the new layout separately, once.
+            # No error, so every worker has the same new size: chunk 0's norms of the new
+            # layout go separately, once.
             return None
-        return x, vector[:parts].float().to(device), rotated
+        chunk.num_norms = parts
+        chunk.max_norms = vector[:parts].float().to(device)
+        if not isinstance(chunk.rotated, torch.Tensor):
+            chunk.max_norms = chunk.max_norms.cpu().numpy()
+        return chunk
 
     def _control_vector(self, d: int, finite: bool, good_dtype: bool) -> torch.Tensor:
-        """[bad dtype one-hot (W), bad values one-hot (W), d, -d]; MAX-reduced."""
+        """[bad dtype one-hot (W), bad values one-hot (W), d, -d, chunk, -chunk]; MAX-reduced."""
         w = self.world
-        control = torch.zeros(2 * w + 2, dtype=torch.float64)
+        control = torch.zeros(2 * w + 4, dtype=torch.float64)
         control[self.rank] = 0.0 if good_dtype else 1.0
         control[w + self.rank] = 0.0 if finite or not good_dtype else 1.0
         control[2 * w], control[2 * w + 1] = d, -d
+        step = self._chunk_step()
+        control[2 * w + 2], control[2 * w + 3] = step, -step
         return control
 
     def _check_agreement(self, d: int, finite: bool, good_dtype: bool, key: int, device,
@@ -254,30 +568,105 @@ class THCAllreduce:
         control = self._control_vector(d, finite, good_dtype)
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             control = control.to(device)
+        t0 = time.perf_counter()
         dist.all_reduce(control, op=dist.ReduceOp.MAX, group=self.group)
+        self.seconds["norms"] += time.perf_counter() - t0
         self.control_bytes += 8 * control.numel()
         self._raise_on_disagreement(control.cpu(), d, good_dtype, key, dtype)
 
     def _raise_on_disagreement(self, control, d, good_dtype, key, dtype) -> None:
+        """Raise what every worker raises alike (the same control vector everywhere)."""
         w = self.world
         bad_dtype = [r for r in range(w) if control[r] > 0]
         if bad_dtype:
             mine = f" (this worker: {dtype})" if not good_dtype else ""
-            raise TypeError(
+            raise _agreed(TypeError(
                 f"tensor {key}: worker(s) {bad_dtype} passed a tensor that is not floating"
                 f"{mine}; THC allreduce supports {[str(t) for t in SUPPORTED_DTYPES]}: reduce "
-                "integer tensors with dist.all_reduce")
+                "integer tensors with dist.all_reduce"))
         largest, smallest = int(control[2 * w]), -int(control[2 * w + 1])
         if largest != smallest:
-            raise SizeMismatchError(
+            raise _agreed(SizeMismatchError(
                 f"tensor {key}: workers passed different sizes (this worker {d}, smallest "
                 f"{smallest}, largest {largest}); every worker must reduce the same tensors "
-                "in the same order")
+                "in the same order"))
+        largest, smallest = int(control[2 * w + 2]), -int(control[2 * w + 3])
+        if largest != smallest:
+            raise AllreduceError(
+                f"tensor {key}: workers use different pipeline chunks (this worker "
+                f"{self._chunk_step()} values, others between {smallest} and {largest}): give "
+                "every worker the same pipeline_values and codec partition size")
         bad = [r for r in range(w) if control[w + r] > 0]
         if bad:
-            raise thc.NonFiniteError(
+            raise _agreed(thc.NonFiniteError(
                 f"tensor {key}: NaN or Inf gradient on worker(s) {bad}; nothing was sent "
-                "(lower the learning rate or enable gradient clipping / loss scaling)")
+                "(lower the learning rate or enable gradient clipping / loss scaling)"))
+
+
+class _Chunk:
+    """One pipeline chunk in flight: its values, norm exchange, packed indices."""
+
+    def __init__(self, rng, x, rotated, norms):
+        self.lo, self.hi, plo, phi = rng
+        self.padded = (plo, phi)
+        self.x, self.rotated, self.norms = x, rotated, norms
+        self.work, self.num_norms = None, len(norms)
+        self.max_norms = None
+        self.packed = None
+        self.error_out = None            # rotated error feedback: where quantize puts e_rot
+
+    def wait_norms(self):
+        """The max norms over all workers (torch when the values are torch, else numpy)."""
+        if self.max_norms is None:
+            self.work.wait()
+            self.max_norms = self.norms if isinstance(self.rotated, torch.Tensor) \
+                else self.norms.cpu().numpy()
+        return self.max_norms
+
+
+class ChunkedErrorFeedback(thc.ErrorFeedback):
+    """Error feedback chunk by chunk, in place.
+
+    Rotated domain (rotated=True, the default of THCAllreduce): one float32 buffer of the
+    tensor's padded length holds e_rot; chunk k's RHT adds its slice (codec.rotate_and_norms
+    add=) and its quantizer writes the new error there (codec.quantize error_out=): no
+    inverse RHT and no extra pass for the feedback. Gradient domain: one array of the
+    tensor's length; compensate_range returns grad[lo:hi] + e[lo:hi] (the gradient's own
+    slice on the first round), update_range writes x - own decoded into e[lo:lo+len(x)].
+    """
+
+    def rotated_error(self, key, padded: int, like):
+        """The padded-length e_rot buffer of `key` (zeros before the first call)."""
+        e = self._errors.get(key)
+        if e is None or e.shape[0] != padded or isinstance(e, torch.Tensor) != \
+                isinstance(like, torch.Tensor):
+            e = torch.zeros(padded, dtype=torch.float32, device=like.device) \
+                if isinstance(like, torch.Tensor) else np.zeros(padded, np.float32)
+            self._errors[key] = e
+        return e
+
+    def compensate_range(self, key, grad, lo: int, hi: int):
+        e = self.error(key)
+        if e is None:
+            return grad[lo:hi]
+        if tuple(e.shape) != (grad.shape[0],):
+            raise ValueError(f"error feedback for {key!r}: stored shape {tuple(e.shape)} "
+                             f"!= gradient shape {tuple(grad.shape)}")
+        return grad[lo:hi] + e[lo:hi]
+
+    def update_range(self, key, lo: int, x, own_decoded, length: int) -> None:
+        e = self.error(key)
+        if e is None or e.shape[0] != length:
+            e = torch.zeros(length, dtype=torch.float32, device=own_decoded.device)
+            self._errors[key] = e
+        torch.sub(x, own_decoded, out=e[lo:lo + len(x)])
+
+
+def _agreed(exc: BaseException) -> BaseException:
+    """Mark an error every worker raises together, before any data moved (the state stays
+    usable for the next call)."""
+    exc.thc_agreed = True
+    return exc
 
 
 # --------------------------------------------------------------------------- helpers

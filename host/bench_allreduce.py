@@ -18,6 +18,15 @@ the link rate in both directions (host.netem.NetnsTestbed). Side by side in one 
 `bound` is the bytes-on-the-wire limit of one worker link, the busier direction:
 thc-agg max(up, down) frame bytes; ring allreduces 2(n-1)/n of the buffer each way.
 Times are medians over --reps of the slowest worker (all_reduce MAX of the per-worker times).
+`peak MB` is the largest growth of a worker's resident memory over its timed reps of a
+size (peak RSS over the RSS after the warm-up call, which holds the input, the
+error-feedback state (1x the tensor) and the codec's and transport's set-up), the
+busiest worker's: the output and everything transient (`x tensor`: in tensor sizes).
+
+Packets: --values-per-packet (1024 default; up to the aggregator's MAX_VALUES) sets what
+the hosts send and the job description says; above 1440 values the links get jumbo
+frames (MTU 9000). THC modes are pipelined (--pipeline-values padded values per chunk,
+0 = whole tensors); --gso sends with UDP GSO (off by default, host.datagram).
 """
 from __future__ import annotations
 
@@ -30,22 +39,30 @@ import tempfile
 import time
 from pathlib import Path
 
+from host.allreduce import DEFAULT_PIPELINE_VALUES
+from host.shaped_links import (AGG_PORT, GLOO_PORT, WORKER_UDP_PORT, job_config, python_env,
+                               start_dpdk, start_reference, stop)
+
 MODES = ("thc-agg", "thc-dpdk", "thc-gloo", "fp32-gloo")
 AGG_MODES = ("thc-agg", "thc-dpdk")
-WORKER_UDP_PORT = 40000
-AGG_PORT = 50000
-GLOO_PORT = 29600
 VALUES_PER_PACKET = 1024
 FRAME_OVERHEAD = 14 + 20 + 8 + 32      # Ethernet + IPv4 + UDP + AGG header per packet
+STANDARD_MTU, JUMBO_MTU = 1500, 9000
 
 
-def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: float) -> float:
+def link_mtu(values_per_packet: int) -> int:
+    """The data links' MTU: jumbo frames once a RESULT (8 bits a value) outgrows 1500."""
+    return STANDARD_MTU if 28 + 32 + values_per_packet <= STANDARD_MTU else JUMBO_MTU
+
+
+def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: float,
+                       values_per_packet: int = VALUES_PER_PACKET) -> float:
     """Time one worker link needs for the bytes it must carry (the busier direction)."""
     import thc
     d = size_bytes // 4
     if mode in AGG_MODES:
         padded = thc.THCCodec().padded_length(d)
-        packets = -(-padded // VALUES_PER_PACKET)
+        packets = -(-padded // values_per_packet)
         up = padded / 2 + packets * FRAME_OVERHEAD
         down = padded + packets * FRAME_OVERHEAD
         busiest = max(up, down)
@@ -74,16 +91,20 @@ def worker(args) -> None:
     state = None
     if args.mode in AGG_MODES:
         state = thc_hook_state(aggregator=args.aggregator, job=1, pool_size=args.pool_size,
-                               worker_address=(args.ip, WORKER_UDP_PORT), timeout=60)
+                               worker_address=(args.ip, WORKER_UDP_PORT), timeout=60,
+                               values_per_packet=args.values_per_packet,
+                               pipeline_values=args.pipeline_values)
     elif args.mode == "thc-gloo":
-        state = thc_hook_state()
-    results = {}
+        state = thc_hook_state(pipeline_values=args.pipeline_values)
+    results = {"peak_bytes": {}}
     for key, mb in enumerate(args.sizes_mb):
         d = int(mb * (1 << 20)) // 4
         x = torch.from_numpy(np.random.default_rng(args.rank).standard_normal(d)
                              .astype(np.float32))
-        times = []
+        times, base = [], None
         for rep in range(args.reps + 1):                 # the first is a warm-up
+            if rep == 1:
+                base = _reset_peak_rss()                 # after the warm-up's allocations
             dist.barrier()
             t0 = time.perf_counter()
             if state is None:
@@ -97,6 +118,10 @@ def worker(args) -> None:
             if rep:
                 times.append(float(elapsed))
         results[str(mb)] = times
+        peak = torch.tensor([_peak_rss() - base if base is not None else -1.0],
+                            dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        results["peak_bytes"][str(mb)] = float(peak) if float(peak) >= 0 else None
     if state is not None:
         # Where rank 0's time went (all sizes and reps together), and the transport's view.
         results["seconds"] = dict(state.allreduce.seconds)
@@ -107,27 +132,41 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset this process's peak RSS to its current RSS (Linux clear_refs 5); the RSS, or
+    None where the kernel does not allow it."""
+    import gc
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except (OSError, KeyError):
+        return None
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
 # --------------------------------------------------------------------------- the parent
-
-def _job_config(tb, pool_size, switch_ip, switch_mac):
-    from dataplane.config import Job, Member, SwitchConfig
-    members = [Member(worker=w, port=w, mac=tb.host_mac(w), ip=tb.host_ip(w),
-                      udp_port=WORKER_UDP_PORT) for w in range(tb.num_hosts)]
-    return SwitchConfig(ip=switch_ip, mac=switch_mac,
-                        jobs=(Job.from_thc(1, pool_size, members),)).validate()
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-
 
 def _run_mode(tb, mode, args, tmp: Path) -> dict:
     n = args.workers
     out = tmp / f"{mode}.json"
     # ports mode (DPDK switch): the process group uses the unshaped control network.
     ports = tb.switch == "ports"
-    env = dict(_env(), GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
+    env = python_env(GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
+    if args.gso and tb.gso:
+        env["THC_GSO"] = "1"
     master = tb.control_ip(0) if ports else tb.host_ip(0)
     procs = []
     for w in range(n):
@@ -135,7 +174,9 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
                 "--world", str(n), "--master", f"{master}:{GLOO_PORT}", "--mode", mode,
                 "--ip", tb.host_ip(w), "--aggregator", f"{tb.switch_ip}:{AGG_PORT}",
                 "--sizes-mb", ",".join(str(s) for s in args.sizes_mb), "--reps", str(args.reps),
-                "--pool-size", str(args.pool_size), "--out", str(out)]
+                "--pool-size", str(args.pool_size), "--out", str(out),
+                "--values-per-packet", str(args.values_per_packet),
+                "--pipeline-values", str(args.pipeline_values)]
         procs.append(tb.popen(w, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True))
     logs = []
@@ -153,64 +194,20 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def _start_reference(tb, args, tmp: Path) -> subprocess.Popen:
-    cfg = _job_config(tb, args.pool_size, tb.switch_ip, tb.switch_mac)
-    cfg.save(tmp / "switch.json")
-    agg = tb.popen_switch([sys.executable, "-m", "dataplane.udp_service",
-                           "--config", str(tmp / "switch.json"),
-                           "--host", tb.switch_ip, "--port", str(AGG_PORT)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=_env())
-    agg.stdout.readline()                 # "serving ..." once it is bound
-    return agg
-
-
-def _start_dpdk(tb, args, tmp: Path) -> subprocess.Popen:
-    """thc_switch in the switch namespace, port w = worker w's link (af_packet)."""
-    from dataplane.dpdk_config import write_config
-    from dataplane.dpdk_runner import SWITCH_BIN, eal_args
-    cfg = _job_config(tb, args.pool_size, tb.switch_ip, tb.switch_mac)
-    conf = write_config(cfg, tmp / "dpdk_switch.conf")
-    # qdisc_bypass=0: the switch's transmissions go through the port's tbf (the link rate).
-    # framecnt: 4096-frame rings (default 512): four workers' windows arrive together, and
-    # on this shared machine the switch's lcore is sometimes descheduled for milliseconds.
-    vdevs = [f"net_af_packet{p},iface={tb.switch_port(p)},qdisc_bypass=0,"
-             f"framecnt={args.switch_ring}" for p in range(tb.num_hosts)]
-    log = open(tmp / "dpdk_switch.log", "w")
-    proc = tb.popen_switch([str(SWITCH_BIN), *eal_args(vdevs), "--", "--config", str(conf),
-                            "--stats", str(tmp / "dpdk_stats.json")],
-                           stdout=subprocess.PIPE, stderr=log, text=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if "running" in line:
-            return proc
-    proc.kill()
-    proc.wait()
-    raise SystemExit("thc_switch did not start: " + (tmp / "dpdk_switch.log").read_text()[-2000:])
-
-
-def _stop(proc) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _rows(times, mode, rate, tb, args) -> list[dict]:
     import numpy as np
     rows = []
     for mb in args.sizes_mb:
         t = float(np.median(times[str(mb)]))
-        bound = wire_bound_seconds(mode, int(mb * (1 << 20)), args.workers, rate)
+        bound = wire_bound_seconds(mode, int(mb * (1 << 20)), args.workers, rate,
+                                   args.values_per_packet)
         rows.append({"rate_mbit": rate, "mode": mode, "size_mb": mb, "median_s": t,
                      "bound_s": bound, "qdisc": tb.qdisc, "reps": args.reps,
-                     "workers": args.workers, "times_s": times[str(mb)]})
+                     "workers": args.workers, "times_s": times[str(mb)],
+                     "peak_bytes": times["peak_bytes"].get(str(mb)),
+                     "values_per_packet": args.values_per_packet, "mtu": tb.mtu,
+                     "pipeline_values": args.pipeline_values,
+                     "gso": args.gso and tb.gso})
     for key in ("seconds", "transport"):
         if key in times:
             rows[-1][key] = times[key]
@@ -222,28 +219,35 @@ def run_benchmark(args) -> list[dict]:
 
     from host.netem import NetnsTestbed
     rows = []
+    mtu = link_mtu(args.values_per_packet)
     bridged = [m for m in args.modes if m != "thc-dpdk"]
     bar = tqdm(total=len(args.rates_mbit) * len(args.modes), desc="bench_allreduce")
     for rate in args.rates_mbit:
         if bridged:
-            with NetnsTestbed(args.workers, rate) as tb, tempfile.TemporaryDirectory() as tmp:
-                agg = _start_reference(tb, args, Path(tmp)) if "thc-agg" in bridged else None
+            with NetnsTestbed(args.workers, rate, mtu=mtu) as tb, \
+                    tempfile.TemporaryDirectory() as tmp:
+                config = job_config(tb, args.pool_size,
+                                    values_per_packet=args.values_per_packet)
+                agg = start_reference(tb, config, Path(tmp)) \
+                    if "thc-agg" in bridged else None
                 try:
                     for mode in bridged:
                         rows += _rows(_run_mode(tb, mode, args, Path(tmp)), mode, rate, tb, args)
                         bar.update(1)
                 finally:
-                    _stop(agg)
+                    stop(agg)
         if "thc-dpdk" in args.modes:
-            with NetnsTestbed(args.workers, rate, switch="ports") as tb, \
+            with NetnsTestbed(args.workers, rate, switch="ports", mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
-                switch = _start_dpdk(tb, args, Path(tmp))
+                config = job_config(tb, args.pool_size,
+                                    values_per_packet=args.values_per_packet)
+                switch = start_dpdk(tb, config, Path(tmp), args.switch_ring)
                 try:
                     rows += _rows(_run_mode(tb, "thc-dpdk", args, Path(tmp)), "thc-dpdk", rate,
                                   tb, args)
                     bar.update(1)
                 finally:
-                    _stop(switch)
+                    stop(switch)
                 stats = Path(tmp) / "dpdk_stats.json"
                 if stats.exists():
                     full = json.loads(stats.read_text())
@@ -256,12 +260,26 @@ def run_benchmark(args) -> list[dict]:
 def print_table(rows) -> None:
     print(f"\n{'link':>9} {'size MB':>8} " + " ".join(f"{m + ' ms':>13}" for m in MODES)
           + "   " + " ".join(f"{m + ' bound':>16}" for m in MODES))
+    _print_rows(rows, "median_s", "bound_s")
+    print(f"\n{'link':>9} {'size MB':>8} "
+          + " ".join(f"{m + ' peak MB':>16}" for m in MODES) + "   (x tensor)")
+    for rate, mb in sorted({(r["rate_mbit"], r["size_mb"]) for r in rows}):
+        cells = {r["mode"]: r for r in rows if r["rate_mbit"] == rate and r["size_mb"] == mb}
+        text = []
+        for m in MODES:
+            peak = cells[m].get("peak_bytes") if m in cells else None
+            text.append(f"{peak / 2**20:>8.1f} ({peak / (mb * 2**20):>4.2f}x)" if peak is not None
+                        else f"{'-':>16}")
+        print(f"{rate / 1000:>7g}G {mb:>8g} " + " ".join(text))
+
+
+def _print_rows(rows, time_key, bound_key) -> None:
     keys = sorted({(r["rate_mbit"], r["size_mb"]) for r in rows})
     for rate, mb in keys:
         cells = {r["mode"]: r for r in rows if r["rate_mbit"] == rate and r["size_mb"] == mb}
-        times = " ".join(f"{cells[m]['median_s'] * 1e3:>13.1f}" if m in cells else f"{'-':>13}"
+        times = " ".join(f"{cells[m][time_key] * 1e3:>13.1f}" if m in cells else f"{'-':>13}"
                          for m in MODES)
-        bounds = " ".join(f"{cells[m]['bound_s'] * 1e3:>16.1f}" if m in cells else f"{'-':>16}"
+        bounds = " ".join(f"{cells[m][bound_key] * 1e3:>16.1f}" if m in cells else f"{'-':>16}"
                           for m in MODES)
         print(f"{rate / 1000:>7g}G {mb:>8g} {times}   {bounds}")
 
@@ -277,7 +295,15 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--pool-size", type=int, default=256)
-    ap.add_argument("--switch-ring", type=int, default=4096,
+    ap.add_argument("--values-per-packet", type=int, default=VALUES_PER_PACKET,
+                    help="values per AGG packet (up to the aggregator's MAX_VALUES; above "
+                         "1440 the links get jumbo frames)")
+    ap.add_argument("--pipeline-values", type=int, default=DEFAULT_PIPELINE_VALUES,
+                    help="THC: padded values per pipeline chunk (0: whole tensors)")
+    ap.add_argument("--gso", action="store_true",
+                    help="THC through an aggregator: send with UDP GSO (THC_GSO=1; the "
+                         "ports testbed cuts the super-datagrams at each host's link end)")
+    ap.add_argument("--switch-ring", type=int, default=1024,
                     help="thc-dpdk: frames in each af_packet ring of the switch")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mode and rate")
     ap.add_argument("--json", help="write the rows to this file")

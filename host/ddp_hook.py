@@ -4,13 +4,18 @@
     state = thc_hook_state()                      # THC over dist.all_reduce(SUM), no switch
     model.register_comm_hook(state, thc_hook)
 
-The hook averages each DDP gradient bucket with THCAllreduce and returns a completed
-torch.futures.Future (the exchange is synchronous: one UDP socket, buckets in DDP's order,
-which is the same on every worker). Launch with torchrun or torch.multiprocessing; the rank
-is the worker id on the aggregator, the world size the job's member count.
+The hook averages each DDP gradient bucket with THCAllreduce and returns a
+torch.futures.Future that the process's exchange thread completes (host.allreduce): the
+hook returns at once, backward goes on with the next bucket while this one is exchanged,
+as with DDP's own allreduce. The thread takes buckets one at a time in DDP's order (the
+same on every worker), so they complete in order; an error in the exchange (a worker
+that died, a timeout, a NaN gradient) reaches loss.backward()'s caller as an exception.
+Launch with torchrun or torch.multiprocessing; the rank is the worker id on the
+aggregator, the world size the job's member count.
 
 For custom loops: `allreduce_gradients(model.parameters(), state)` averages every .grad in
-place (flattened into one tensor, one exchange).
+place (flattened into one tensor, one exchange); with async_op=True it returns a Future
+at once and the gradients are averaged when it completes.
 """
 # No "from __future__ import annotations": DDP checks the hook's annotations as objects.
 
@@ -21,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 import thc
-from host.allreduce import AggregatorExchange, SumAllreduceExchange, THCAllreduce
+from host.allreduce import (DEFAULT_PIPELINE_VALUES, AggregatorExchange, SumAllreduceExchange,
+                            THCAllreduce)
 from host.dlcp.marking import DlcpPolicy
 from host.transport import AggregatorTransport, parse_address
 
@@ -42,48 +48,74 @@ class THCHookState:
         return self.allreduce.exchange.bytes_sent + self.allreduce.control_bytes
 
     def reduce(self, tensor: torch.Tensor, key: int) -> torch.Tensor:
+        """The THC mean of `tensor` (blocks until it is in)."""
+        return self.reduce_async(tensor, key).wait()
+
+    def reduce_async(self, tensor: torch.Tensor, key: int, then=None) -> torch.futures.Future:
+        """A Future of the THC mean of `tensor`, computed on the exchange thread (and of
+        then(mean) when given, run there too)."""
         size = tensor.numel()
-        if self.bucket_sizes.get(key, size) != size and self.allreduce.error_feedback:
-            # DDP rebuilds its buckets after the first step: the old error no longer fits.
-            self.allreduce.error_feedback.reset(key)
+        # DDP rebuilds its buckets after the first step: the old error no longer fits.
+        resized = self.bucket_sizes.get(key, size) != size
         self.bucket_sizes[key] = size
         # DDP fills bucket 0 from the model's last layers, so the highest bucket index holds
         # the front layers: they get the highest DLCP band (layer 0).
         num_buckets = max(self.bucket_sizes) + 1
-        return self.allreduce(tensor, key, layer=num_buckets - 1 - key, num_layers=num_buckets)
+        return self.allreduce.submit(tensor, key, layer=num_buckets - 1 - key,
+                                     num_layers=num_buckets, reset_error=resized, then=then)
 
 
 def thc_hook(state: THCHookState,
              bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the THC mean of the bucket's flattened gradients."""
-    mean = state.reduce(bucket.buffer(), bucket.index())
+    """DDP comm hook: a Future of the THC mean of the bucket's flattened gradients.
+
+    An error in the exchange makes loss.backward() raise a RuntimeError that names it
+    (DDP rethrows a failed future as RuntimeError, "...: <ExceptionType>: <message>")."""
+    fut = state.reduce_async(bucket.buffer(), bucket.index())
     if bucket.is_last():
         state.steps += 1
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(mean)
-    return fut
+    # A C++-level error, so DDP raises it: a Python future's exception is only a value
+    # to DDP, which then fails to cast it to a tensor. A callback that raises sets one.
+    return fut.then(_value)
 
 
-def allreduce_gradients(parameters, state: THCHookState, key: int = 0) -> None:
-    """Average the .grad of `parameters` over all workers in place (one THC exchange)."""
+def _value(fut):
+    return fut.value()
+
+
+def allreduce_gradients(parameters, state: THCHookState, key: int = 0, *,
+                        async_op: bool = False):
+    """Average the .grad of `parameters` over all workers in place (one THC exchange).
+
+    async_op=True: return a torch.futures.Future at once; the gradients hold the mean
+    when it completes (wait() raises what the exchange raised). Do not touch them before.
+    """
     params = [p for p in parameters if p.grad is not None]
     if not params:
         raise ValueError("no parameter has a gradient: call backward() first")
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    mean = state.reduce(flat, key)
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
-        offset += n
+
+    def write_back(mean):                  # on the exchange thread
+        offset = 0
+        for p in params:
+            n = p.grad.numel()
+            p.grad.copy_(mean[offset:offset + n].view_as(p.grad))
+            offset += n
+    done = state.reduce_async(flat, key, then=write_back)
     state.steps += 1
+    if async_op:
+        return done
+    done.wait()
+    return None
 
 
 def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_POOL_SIZE,
                    worker_address=None, codec: thc.THCCodec | None = None, group=None,
                    timeout: float = 30.0, policy=None, error_feedback: bool = True,
                    values_per_packet: int = 1024, seed: int = 0,
-                   start_timeout: float = 60.0) -> THCHookState:
+                   start_timeout: float = 60.0,
+                   pipeline_values: int = DEFAULT_PIPELINE_VALUES,
+                   error_domain: str = "rotated") -> THCHookState:
     """Build the hook state on this worker (call after dist.init_process_group).
 
     aggregator: None for THC over dist.all_reduce(SUM) (gloo/NCCL, no switch), or the
@@ -96,7 +128,13 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     in an exchange before AggregatorTimeout. policy: the per-packet DSCP/ECN hook of the
     in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front buckets in higher
     bands, packets of large rotated magnitude ECT); host.transport.default_policy turns
-    marking off.
+    marking off. pipeline_values: padded values per pipeline chunk of a large tensor
+    (quantize the next chunk while this one is on the wire; 0 = whole tensors), the same
+    on every worker. group: the process group of the control exchanges (default: one of
+    THC's own over all ranks, made at the first call); with a group of yours, issue no
+    collectives of your own on it while an exchange is pending. error_domain: where the
+    error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
+    "gradient" (the paper's order, the max-norm exchange overlaps the RHT).
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
@@ -118,7 +156,9 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
                                         policy=DlcpPolicy() if policy is None else policy)
         exchange = AggregatorExchange(transport, codec)
     return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
-                                     start_timeout=start_timeout))
+                                     start_timeout=start_timeout,
+                                     pipeline_values=pipeline_values,
+                                     error_domain=error_domain))
 
 
 def _worker_address_from_env(rank: int):

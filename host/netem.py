@@ -143,13 +143,21 @@ class NetnsTestbed:
     `switch_port(i)` in the switch namespace, for a data plane process to attach to (the
     DPDK switch with net_af_packet), still shaped both ways. Hosts reach `switch_ip` through
     a static neighbour entry (`switch_mac`), and talk to each other (process group, control)
-    over an unshaped second network, `control_ip(i)` on each host's `ctl0`.
+    over an unshaped second network, `control_ip(i)` on each host's `ctl0`. A host's UDP
+    GSO super-datagrams are cut into frames at its own end of the link (ethtool
+    tx-udp-segmentation off), since a packet socket on the switch port would see them
+    whole; `gso` is False where that failed (send without GSO there: THC_GSO=0).
+
+    mtu: of every data link (9000: jumbo frames, for packets of up to 8192 values).
     """
 
     def __init__(self, num_hosts: int, rate_mbit: float, delay_ms: float = 0.0,
-                 loss: float = 0.0, subnet: int = 77, switch: str = "bridge"):
+                 loss: float = 0.0, subnet: int = 77, switch: str = "bridge",
+                 mtu: int = 1500):
         if not 1 <= num_hosts <= 200:
             raise ValueError("num_hosts must be in 1..200")
+        if not 576 <= mtu <= 65535:
+            raise ValueError(f"mtu {mtu} must be in 576..65535 (9000 for jumbo frames)")
         if rate_mbit <= 0:
             raise ValueError("rate_mbit must be positive")
         if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -158,6 +166,8 @@ class NetnsTestbed:
             raise ValueError("switch must be 'bridge' (a Linux bridge) or 'ports' (bare switch "
                              "ports for a data plane process such as the DPDK switch)")
         self.switch = switch
+        self.mtu = mtu
+        self.gso = True        # ports mode: False when UDP GSO could not be cut at the host
         self.num_hosts, self.rate_mbit = num_hosts, rate_mbit
         self.delay_ms, self.loss = delay_ms, loss
         self.tag = uuid.uuid4().hex[:6]
@@ -207,6 +217,8 @@ class NetnsTestbed:
         # attaches to them), and br0 is a separate unshaped control network instead.
         self._ns(sw, "ip", "link", "add", "br0", "type", "bridge")
         if self.switch == "bridge":
+            self._ns(sw, "ip", "link", "set", "br0", "mtu", str(self.mtu))
+        if self.switch == "bridge":
             self._ns(sw, "ip", "addr", "add", f"{self.switch_ip}/24", "dev", "br0")
         self._ns(sw, "ip", "link", "set", "br0", "up")
         for i, ns in enumerate(self.host_ns):
@@ -218,6 +230,8 @@ class NetnsTestbed:
             _run("ip", "link", "set", sw_end, "netns", sw)
             self._ns(ns, "ip", "link", "set", host_end, "name", "eth0")
             self._ns(ns, "ip", "link", "set", "eth0", "address", self.host_mac(i))
+            self._ns(ns, "ip", "link", "set", "eth0", "mtu", str(self.mtu))
+            self._ns(sw, "ip", "link", "set", sw_end, "mtu", str(self.mtu))
             self._ns(ns, "ip", "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0")
             self._ns(ns, "ip", "link", "set", "eth0", "up")
             self._ns(ns, "ip", "link", "set", "lo", "up")
@@ -237,6 +251,10 @@ class NetnsTestbed:
         self._ns(ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
         self._ns(ns, "ip", "neigh", "replace", self.switch_ip, "lladdr", self.switch_mac,
                  "dev", "eth0", "nud", "permanent")
+        if shutil.which("ethtool") is None or self._ns(
+                ns, "ethtool", "-K", "eth0", "tx-udp-segmentation", "off",
+                check=False).returncode != 0:
+            self.gso = False
         host_ctl, sw_ctl = f"t{self.tag}c{i}", f"t{self.tag}k{i}"
         _run("ip", "link", "add", host_ctl, "type", "veth", "peer", "name", sw_ctl)
         _run("ip", "link", "set", host_ctl, "netns", ns)

@@ -20,150 +20,36 @@ How a tensor moves (docs/protocol.md §4.4, DESIGN.md §4):
   up (count 0, the caller falls back to its own values there);
 * results are scattered in place into one uint8 array (host.packets.scatter_payloads).
 
-Syscalls are batched: on Linux a window goes out in one sendmmsg(2) call (descriptors
-built once per tensor with numpy; an IP_TOS control message per datagram only when the ToS
-differs between packets, else setsockopt) and a non-blocking socket is drained with one
-recvmmsg(2) into preallocated rows. Elsewhere, or with THC_NO_MMSG=1, the same happens
-with loops of send/sendmsg and recv_into.
-All header work is vectorized (host.packets.encode_data / decode_headers).
+A tensor can also be streamed (`open_stream`): its packed indices are submitted range by
+range while earlier ranges are already on the wire, and the caller pumps the exchange
+between its own work and reads each range's sums as soon as they are in (the pipelined
+THC allreduce, host.allreduce). `allreduce` is a stream with one submission. When a
+stream is finished is one predicate (`TensorStream.finish(until=...)`): all chunks by
+default; a bounded-loss rule would finish at a fraction of them and give the rest up.
+
+Datagrams go through host.datagram (sendmmsg/recvmmsg, UDP GSO on request, a
+send/recv_into loop elsewhere); all header work is vectorized (host.packets).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import os
-import select
 import socket
-import struct
-import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dataplane.config import DEFAULT_VALUES_PER_PACKET
+from host.datagram import (SOCKET_BUFFER_BYTES, DatagramSocket, PacketRows,  # noqa: F401
+                           gso_available, mmsg_available)
 from host.packets import (FLAG_RETX, HEADER_DTYPE, HEADER_LEN, TYPE_FLUSH, TYPE_RESULT,
                           TYPE_STRAGGLER, VERSION, decode_headers, encode_data, encode_headers,
                           header_types, scatter_payloads)
 
 MAX_VALUES = 8192              # the reference aggregator's and DPDK switch's MAX_VALUES
-SOCKET_BUFFER_BYTES = 8 << 20  # room for a full window of results in the kernel
+IP_UDP_HEADERS = 28            # IPv4 + UDP header bytes in front of the AGG header
 PROBE_NONE = -1                # no probe answer (yet) for a chunk
-
-
-# --------------------------------------------------------------------------- batched syscalls
-# Many datagrams per syscall: sendmmsg(2) / recvmmsg(2) through ctypes (Linux).
-#
-# Python's socket module sends or receives one datagram per call; at 16 MB a worker moves
-# 16,384 packets each way per allreduce, and the per-call cost (Python dispatch + syscall
-# entry) was a third of its time. These wrappers describe rows of a 2-D uint8 array with
-# numpy-built `struct mmsghdr` / `struct iovec` arrays (no per-packet Python), and hand the
-# kernel a whole window in one call. `mmsg_available()` is False off Linux/glibc; callers then
-# fall back to send/recv_into loops.
-#
-# Layouts (x86-64 and aarch64 Linux, LP64): iovec {void *base; size_t len} = 16 B;
-# msghdr {void *name; socklen_t namelen; struct iovec *iov; size_t iovlen; void *control;
-# size_t controllen; int flags} = 56 B; mmsghdr {msghdr; unsigned msg_len} = 64 B;
-# cmsghdr {size_t len; int level; int type} = 16 B + data (an int ToS: CMSG_SPACE = 24 B).
-
-IOVEC_DTYPE = np.dtype({"names": ["base", "len"], "formats": [np.uint64, np.uint64],
-                        "offsets": [0, 8], "itemsize": 16})
-MMSGHDR_DTYPE = np.dtype({
-    "names": ["name", "namelen", "iov", "iovlen", "control", "controllen", "flags", "msg_len"],
-    "formats": [np.uint64, np.uint32, np.uint64, np.uint64, np.uint64, np.uint64, np.int32,
-                np.uint32],
-    "offsets": [0, 8, 16, 24, 32, 40, 48, 56], "itemsize": 64})
-CMSG_TOS_DTYPE = np.dtype({"names": ["len", "level", "type", "tos"],
-                           "formats": [np.uint64, np.int32, np.int32, np.int32],
-                           "offsets": [0, 8, 12, 16], "itemsize": 24})
-CMSG_TOS_LEN = 20                      # CMSG_LEN(sizeof(int))
-MSG_DONTWAIT = 0x40
-
-
-def _load_libc():
-    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        send, recv = libc.sendmmsg, libc.recvmmsg
-    except (OSError, AttributeError):
-        return None
-    send.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
-    recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int,
-                     ctypes.c_void_p]
-    send.restype = recv.restype = ctypes.c_int
-    return send, recv
-
-
-_LIBC = _load_libc()
-
-
-def mmsg_available() -> bool:
-    return _LIBC is not None and os.environ.get("THC_NO_MMSG", "") in ("", "0")
-
-
-def _row_pointers(rows: np.ndarray) -> np.ndarray:
-    if rows.ndim != 2 or not rows.flags.c_contiguous:
-        raise ValueError("datagram rows must be a C-contiguous 2-D array")
-    return rows.ctypes.data + np.arange(len(rows), dtype=np.uint64) * np.uint64(rows.strides[0])
-
-
-class _MessageBatch:
-    """The mmsghdr array describing every row of `rows` (lengths[i] bytes of row i).
-
-    Keeps references to everything the kernel reads through the pointers. `tos`
-    (optional uint8 per row) adds an IP_TOS control message to each datagram.
-    """
-
-    def __init__(self, rows: np.ndarray, lengths, tos=None):
-        self.rows = rows
-        n = len(rows)
-        self.iov = np.zeros(n, IOVEC_DTYPE)
-        self.iov["base"] = _row_pointers(rows)
-        self.iov["len"] = np.asarray(lengths, np.uint64)
-        self.msgs = np.zeros(n, MMSGHDR_DTYPE)
-        self.msgs["iov"] = self.iov.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(16)
-        self.msgs["iovlen"] = 1
-        self.cmsg = None
-        if tos is not None:
-            self.cmsg = np.zeros(n, CMSG_TOS_DTYPE)
-            self.cmsg["len"] = CMSG_TOS_LEN
-            self.cmsg["level"] = socket.IPPROTO_IP
-            self.cmsg["type"] = socket.IP_TOS
-            self.cmsg["tos"] = np.asarray(tos, np.int32)
-            self.msgs["control"] = self.cmsg.ctypes.data + \
-                np.arange(n, dtype=np.uint64) * np.uint64(CMSG_TOS_DTYPE.itemsize)
-            self.msgs["controllen"] = CMSG_TOS_DTYPE.itemsize
-
-
-def _sendmmsg(fd: int, msgs: np.ndarray) -> int:
-    """Send the datagrams of a contiguous mmsghdr array; the number the kernel took.
-
-    0 when the socket would block; OSError (ECONNREFUSED, ...) as the kernel reports it.
-    """
-    n = _LIBC[0](fd, msgs.ctypes.data, len(msgs), 0)
-    if n < 0:
-        err = ctypes.get_errno()
-        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EINTR):
-            return 0
-        raise OSError(err, os.strerror(err))
-    return n
-
-
-def _recvmmsg(fd: int, batch: "_MessageBatch", limit: int | None = None) -> int:
-    """Receive up to `limit` datagrams into batch's rows without blocking; how many.
-
-    Their lengths are batch.msgs["msg_len"][:n]. 0 when nothing is waiting.
-    """
-    count = len(batch.msgs) if limit is None else min(limit, len(batch.msgs))
-    n = _LIBC[1](fd, batch.msgs.ctypes.data, count, MSG_DONTWAIT, None)
-    if n < 0:
-        err = ctypes.get_errno()
-        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
-            return 0
-        raise OSError(err, os.strerror(err))
-    return n
 
 
 class TransportError(RuntimeError):
@@ -248,6 +134,9 @@ class TransportStats:
     duplicates: int = 0            # a result for a chunk already done
     ignored: int = 0               # other job/tensor/round, or malformed
     straggler_notices: int = 0
+    send_calls: int = 0            # send syscalls (sendmmsg, or send/sendmsg per datagram)
+    send_messages: int = 0         # messages those calls carried (one per GSO run)
+    recv_calls: int = 0            # receive syscalls (recvmmsg, or recv_into per datagram)
     rtt_samples: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -299,18 +188,22 @@ class AggregatorTransport:
     job, worker, expected: header fields (expected = bitmap of the job's workers);
     pool_size: the job's slot pool (as installed on the aggregator); values_per_packet:
     the job's values_per_packet as installed (default: the job description's default),
-    at most the aggregator's MAX_VALUES; min_count: partial aggregation threshold carried
+    at most the aggregator's MAX_VALUES, and its datagrams must fit the path MTU;
+    min_count: partial aggregation threshold carried
     in the headers (0 = all expected); timeout: seconds without any progress before
     AggregatorTimeout; local: (ip, port) to bind (the aggregator's membership table names
     it; default any address, an ephemeral port); policy: the DSCP/ECN hook (see
-    default_policy); on_straggler: "raise" or "skip" (see the module docstring).
+    default_policy); on_straggler: "raise" or "skip" (see the module docstring);
+    batched / gso: force the datagram path's sendmmsg/recvmmsg and UDP GSO on or off
+    (default: batched where this system has it, GSO only with THC_GSO=1; host.datagram).
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,
                  values_per_packet: int = DEFAULT_VALUES_PER_PACKET, min_count: int = 0,
                  timeout: float = 30.0, local=("0.0.0.0", 0), policy=default_policy,
                  timer: RetransmitTimer | None = None, on_straggler: str = "raise",
-                 sock: socket.socket | None = None):
+                 sock: socket.socket | None = None, batched: bool | None = None,
+                 gso: bool | None = None):
         if not 1 <= values_per_packet <= MAX_VALUES:
             raise ValueError(f"values_per_packet {values_per_packet} must be in 1..{MAX_VALUES} "
                              "(the aggregator's MAX_VALUES)")
@@ -350,18 +243,36 @@ class AggregatorTransport:
         # connect(): only the aggregator's packets reach us, and an ICMP port-unreachable
         # surfaces as ECONNREFUSED (a clear "nothing listens there") instead of silence.
         self.sock.connect(self.aggregator)
-        self.sock.setblocking(False)
-        self._tos = 0
         self._heard_from_aggregator = False
-        self._rx = np.zeros((2 * pool_size if pool_size < 512 else 1024,
-                             HEADER_LEN + values_per_packet), dtype=np.uint8)
-        self._rx_views = [memoryview(row) for row in self._rx]
-        self._rx_len = np.zeros(len(self._rx), dtype=np.int64)
-        # sendmmsg/recvmmsg: a window per syscall (else one datagram per call).
-        self._mmsg = mmsg_available()
-        self._rx_batch = _MessageBatch(self._rx, np.full(len(self._rx), self._rx.shape[1])) \
-            if self._mmsg else None
-        self._tx_batch = None            # (bufs, tos, _MessageBatch) of the last tensor
+        self._stream = None              # the TensorStream in flight (one at a time)
+        rx_rows = 2 * pool_size if pool_size < 512 else 1024
+        self.io = DatagramSocket(self.sock, rx_rows=rx_rows,
+                                 rx_width=HEADER_LEN + values_per_packet,
+                                 batched=batched, gso=gso)
+        self._check_mtu()
+
+    def _check_mtu(self) -> None:
+        """Refuse packets the path cannot carry whole (the data planes take no fragments)."""
+        mtu = self.io.path_mtu()
+        largest = IP_UDP_HEADERS + HEADER_LEN + self.vpp       # a RESULT: 8 bits per value
+        if mtu is not None and largest > mtu:
+            fits = mtu - IP_UDP_HEADERS - HEADER_LEN
+            host, _ = self.aggregator
+            self.sock.close()
+            raise ValueError(
+                f"values_per_packet {self.vpp} makes {largest}-byte RESULT datagrams, but the "
+                f"path MTU to the aggregator {host} is {mtu}: use values_per_packet <= {fits}, "
+                "or jumbo frames on this path (ip link set DEV mtu 9000)")
+
+    @property
+    def _mmsg(self) -> bool:
+        """Whether datagrams move in batches (sendmmsg/recvmmsg); False: one per syscall."""
+        return self.io.batched
+
+    @_mmsg.setter
+    def _mmsg(self, value: bool) -> None:
+        self.io.batched = bool(value)
+        self.io.gso = self.io.gso and self.io.batched
 
     @property
     def local_address(self) -> tuple[str, int]:
@@ -391,10 +302,10 @@ class AggregatorTransport:
         hdr["slot"] = np.arange(self.pool_size)
         hdr["worker"] = self.worker
         hdr["expected"] = self.expected
-        rows = encode_headers(hdr)
-        lengths = np.full(len(rows), HEADER_LEN)
+        packets = PacketRows(np.ascontiguousarray(encode_headers(hdr)),
+                             np.full(self.pool_size, HEADER_LEN))
         for _ in range(repeats):
-            self._send_rows(rows, lengths, np.arange(len(rows)), np.zeros(len(rows), np.uint8))
+            self._send(packets, np.arange(self.pool_size))
         self.slot_rounds[:] = 0
 
     # ----------------------------------------------------------------- allreduce
@@ -407,107 +318,85 @@ class AggregatorTransport:
         tensor: tensor id carried in the headers; values: the rotated pre-quantization
         floats, handed to the DSCP/ECN policy (None: the policy sees None).
         """
-        n_chunks = -(-num_values // self.vpp)
-        chunks = np.arange(n_chunks)
-        slots = chunks % self.pool_size
-        rounds = self.slot_rounds[slots] + chunks // self.pool_size
-        bufs, lengths = encode_data(packed, num_values, self.vpp, job=self.job,
-                                    worker=self.worker, tensor=tensor, slots=slots,
-                                    rounds=rounds.astype(np.uint32), expected=self.expected,
-                                    min_count=self.min_count)
-        dscp, ecn = self.policy(layer=layer, num_layers=num_layers, values=values,
-                                values_per_packet=self.vpp, num_packets=n_chunks)
-        tos = ((np.asarray(dscp, np.uint8) << 2) | (np.asarray(ecn, np.uint8) & 3)).astype(np.uint8)
-        if tos.shape != (n_chunks,):
-            raise ValueError(f"policy returned {tos.shape} marks for {n_chunks} packets")
-        exchange = _Exchange(n_chunks, rounds, tensor, num_values, self.vpp, self.pool_size)
-        try:
-            self._run(exchange, bufs, lengths, tos)
-        finally:
-            self._tx_batch = None          # do not keep this tensor's packets alive
-        # Every worker advanced each slot by the same number of uses.
-        uses = np.bincount(slots, minlength=self.pool_size)
-        self.slot_rounds += uses
-        return AllreduceResult(exchange.sums, exchange.counts, exchange.contributors, self.vpp)
+        stream = self.open_stream(num_values, tensor, layer=layer, num_layers=num_layers)
+        stream.submit(packed, num_values, values=values)
+        return stream.finish()
 
-    def _run(self, ex: "_Exchange", bufs, lengths, tos) -> None:
-        last_progress = time.monotonic()
-        while not ex.all_done():
-            now = time.monotonic()
-            # Send what the window allows: chunk c once chunk c - pool is done.
-            ready = ex.sendable()
-            if len(ready):
-                self._send_rows(bufs, lengths, ready, tos)
-                ex.mark_sent(ready, now, self.timer.rto)
-            # Retransmit chunks whose timer expired (Karn: they give no RTT sample).
-            late = ex.expired(now, self.timer.rto)
-            if len(late):
-                bufs[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
-                self._send_rows(bufs, lengths, late, tos)
-                ex.mark_retransmitted(late, now, self.timer)
-                self.stats.retransmissions += len(late)
-            wait = max(0.0, min(ex.next_deadline(now, self.timer.rto) - now,
-                                last_progress + self.timeout - now))
-            if self._wait_readable(wait):
-                if self._receive(ex):
-                    last_progress = time.monotonic()
-            if time.monotonic() - last_progress > self.timeout and not ex.all_done():
-                missing = self._probe_missing(ex) if self._heard_from_aggregator else None
-                raise AggregatorTimeout(self._timeout_message(ex, missing))
+    def open_stream(self, num_values: int, tensor: int, *, layer: int = 0,
+                    num_layers: int = 1, background: bool = False) -> "TensorStream":
+        """Start the exchange of one tensor whose packed indices come range by range.
+
+        background=True: an I/O thread of the stream's own keeps the window full and takes
+        in results while the caller does other work (codec work that releases the GIL);
+        the caller only submits and waits. Else the caller drives it (pump, wait_values)."""
+        if self._stream is not None and not self._stream.closed:
+            raise TransportError(f"worker {self.worker}: tensor {self._stream.ex.tensor} is "
+                                 "still in flight; finish its stream before the next one")
+        self._stream = TensorStream(self, num_values, tensor, layer, num_layers, background)
+        return self._stream
+
+    # ----------------------------------------------------------------- the exchange loop
+
+    def _drive(self, stream: "TensorStream", until, block: bool = True) -> None:
+        """Send what the window allows, retransmit what is late, apply what arrived, until
+        until() holds (block=False: one non-blocking round)."""
+        ex = stream.ex
+        while True:
+            self._round(stream)
+            if not block or until():
+                return
+            if ex.waiting_for_input():
+                raise TransportError(f"worker {self.worker}: tensor {ex.tensor} waits for "
+                                     "values that were never submitted")
+            self.io.wait_readable(self._wait_time(stream))
+            self._check_timeout(stream, until)
+
+    def _round(self, stream: "TensorStream") -> None:
+        """One non-blocking round: take in results, send what the window allows, retransmit."""
+        ex = stream.ex
+        # The caller may have been busy (codec work): first take in what arrived meanwhile,
+        # so the chunks it completed neither count as late nor hold the window.
+        if self._receive(ex):
+            stream.last_progress = time.monotonic()
+        now = time.monotonic()
+        # Send what the window allows: chunk c once chunk c - pool is done.
+        ready = ex.sendable()
+        if len(ready):
+            self._send(stream.packets, ready)
+            ex.mark_sent(ready, now, self.timer.rto)
+        # Retransmit chunks whose timer expired (Karn: they give no RTT sample).
+        late = ex.expired(now, self.timer.rto)
+        if len(late):
+            stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
+            self._send(stream.packets, late)
+            ex.mark_retransmitted(late, now, self.timer)
+            self.stats.retransmissions += len(late)
+
+    def _wait_time(self, stream: "TensorStream") -> float:
+        """How long to wait for results before the next timer is due."""
+        now = time.monotonic()
+        return max(0.0, min(stream.ex.next_deadline(now, self.timer.rto) - now,
+                            stream.last_progress + self.timeout - now))
+
+    def _check_timeout(self, stream: "TensorStream", until) -> None:
+        if time.monotonic() - stream.last_progress > self.timeout and not until():
+            ex = stream.ex
+            missing = self._probe_missing(ex) if self._heard_from_aggregator else None
+            raise AggregatorTimeout(self._timeout_message(ex, missing))
 
     # ----------------------------------------------------------------- socket I/O
 
-    def _send_rows(self, bufs, lengths, rows, tos) -> None:
-        """Send bufs[rows] (batched; ToS via setsockopt when uniform, per-packet cmsg else)."""
-        if self._mmsg and bufs.flags.c_contiguous:
-            return self._send_rows_mmsg(bufs, lengths, rows, tos)
-        row_tos = tos[rows]
-        uniform = bool(np.all(row_tos == row_tos[0]))
-        if uniform and int(row_tos[0]) != self._tos:
-            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, int(row_tos[0]))
-            self._tos = int(row_tos[0])
-        sent_bytes = 0
-        for i, r in enumerate(rows.tolist()):
-            view = memoryview(bufs[r, :lengths[r]])
-            while True:
-                try:
-                    if uniform:
-                        self.sock.send(view)
-                    else:
-                        self.sock.sendmsg([view], [(socket.IPPROTO_IP, socket.IP_TOS,
-                                                    struct.pack("i", int(row_tos[i])))])
-                    break
-                except BlockingIOError:
-                    select.select([], [self.sock], [], 0.05)   # send buffer full: wait
-                except ConnectionRefusedError as exc:
-                    raise self._unreachable(exc) from exc
-            sent_bytes += int(lengths[r])
+    def _send(self, packets: PacketRows, rows) -> None:
+        calls, messages = self.io.send_calls, self.io.send_messages
+        try:
+            sent = self.io.send(packets, rows)
+        except ConnectionRefusedError as exc:
+            raise self._unreachable(exc) from exc
+        finally:
+            self.stats.send_calls += self.io.send_calls - calls
+            self.stats.send_messages += self.io.send_messages - messages
         self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += sent_bytes
-
-    def _send_rows_mmsg(self, bufs, lengths, rows, tos) -> None:
-        """Send bufs[rows] with sendmmsg, as many per call as the socket buffer takes."""
-        cached = self._tx_batch
-        if cached is None or cached[0] is not bufs or cached[1] is not tos:
-            # One descriptor array per tensor; ToS by cmsg only when it varies per packet.
-            uniform = bool(np.all(tos == tos[0])) if len(tos) else True
-            if uniform and len(tos) and int(tos[0]) != self._tos:
-                self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, int(tos[0]))
-                self._tos = int(tos[0])
-            cached = (bufs, tos, _MessageBatch(bufs, lengths, None if uniform else tos))
-            self._tx_batch = cached
-        msgs = cached[2].msgs[rows]                    # contiguous copy of the descriptors
-        fd, pos = self.sock.fileno(), 0
-        while pos < len(msgs):
-            try:
-                sent = _sendmmsg(fd, msgs[pos:])
-            except ConnectionRefusedError as exc:
-                raise self._unreachable(exc) from exc
-            if not sent:
-                select.select([], [self.sock], [], 0.05)   # send buffer full: wait
-            pos += sent
-        self.stats.packets_sent += len(rows)
-        self.stats.bytes_sent += int(lengths[rows].sum())
+        self.stats.bytes_sent += sent
 
     def _unreachable(self, exc) -> AggregatorUnreachable:
         host, port = self.aggregator
@@ -515,40 +404,21 @@ class AggregatorTransport:
             f"aggregator {host}:{port} refused the packets (ICMP port unreachable: nothing "
             f"listens there): start the aggregator or fix --aggregator ({exc})")
 
-    def _wait_readable(self, wait: float) -> bool:
-        try:
-            readable, _, _ = select.select([self.sock], [], [], wait)
-        except InterruptedError:
-            return False
-        return bool(readable)
-
     def _receive(self, ex: "_Exchange") -> bool:
         """Drain the socket into the rx rows; apply what arrived. True on progress."""
-        n = 0
-        if self._mmsg:
-            try:
-                n = _recvmmsg(self.sock.fileno(), self._rx_batch)
-            except ConnectionRefusedError as exc:
-                raise self._unreachable(exc) from exc
-            self._rx_len[:n] = self._rx_batch.msgs["msg_len"][:n]
-        while not self._mmsg and n < len(self._rx):
-            try:
-                self._rx_len[n] = self.sock.recv_into(self._rx_views[n])
-            except BlockingIOError:
-                break
-            except ConnectionRefusedError as exc:
-                raise self._unreachable(exc) from exc
-            except OSError as exc:
-                if exc.errno == errno.EINTR:
-                    continue
-                raise
-            n += 1
+        calls = self.io.recv_calls
+        try:
+            n = self.io.receive()
+        except ConnectionRefusedError as exc:
+            raise self._unreachable(exc) from exc
+        finally:
+            self.stats.recv_calls += self.io.recv_calls - calls
         if not n:
             return False
         self._heard_from_aggregator = True
         self.stats.packets_received += n
-        self.stats.bytes_received += int(self._rx_len[:n].sum())
-        rows, lens = self._rx[:n], self._rx_len[:n]
+        rows, lens = self.io.rx[:n], self.io.rx_len[:n]
+        self.stats.bytes_received += int(lens.sum())
         ok = lens >= HEADER_LEN
         self.stats.ignored += int((~ok).sum())
         rows, lens = rows[ok], lens[ok]
@@ -627,10 +497,10 @@ class AggregatorTransport:
         hdr = decode_headers(bufs, lengths)
         hdr["offset"] = stuck * self.vpp        # so the reply maps back to the chunk
         bufs[:, :HEADER_LEN] = encode_headers(hdr)
-        self._send_rows(bufs, lengths, np.arange(len(stuck)), np.zeros(len(stuck), np.uint8))
+        self._send(PacketRows(np.ascontiguousarray(bufs), lengths), np.arange(len(stuck)))
         deadline = time.monotonic() + min(1.0, max(0.05, 4 * self.timer.rto))
         while time.monotonic() < deadline and not (ex.probed[stuck] != PROBE_NONE).any():
-            if self._wait_readable(deadline - time.monotonic()):
+            if self.io.wait_readable(deadline - time.monotonic()):
                 self._receive(ex)
         answered = ex.probed[stuck][ex.probed[stuck] != PROBE_NONE]
         if not len(answered):
@@ -661,6 +531,196 @@ class AggregatorTransport:
                         f"{[w for w in range(32) if (seen >> w) & 1]}" if seen else ""))
 
 
+class TensorStream:
+    """The exchange of one tensor, fed range by range (AggregatorTransport.open_stream).
+
+    submit() adds the packed indices of the next values (every submission but the last a
+    multiple of values_per_packet) and sends what the window allows; pump() makes progress
+    without blocking (call it between other work); wait_values(n) blocks until values
+    [0, n) are in; finish() until the stream's completion predicate holds, and returns the
+    AllreduceResult. The sums of completed values can be read from `sums` at any time.
+
+    In background mode an I/O thread does the sending, retransmitting and receiving: it
+    holds `lock` while it touches the stream, sleeps in select() on the socket and a wake-up
+    pipe (written on submit), and hands an error to the next waiter.
+    """
+
+    def __init__(self, transport: AggregatorTransport, num_values: int, tensor: int,
+                 layer: int, num_layers: int, background: bool = False):
+        t = transport
+        self.transport, self.layer, self.num_layers = t, layer, num_layers
+        vpp = t.vpp
+        n_chunks = -(-num_values // vpp)
+        chunks = np.arange(n_chunks)
+        self.slots = chunks % t.pool_size
+        rounds = t.slot_rounds[self.slots] + chunks // t.pool_size
+        self.ex = _Exchange(n_chunks, rounds, tensor, num_values, vpp, t.pool_size)
+        counts = np.minimum(vpp, num_values - chunks * vpp)
+        self.rows = np.zeros((n_chunks, HEADER_LEN + (vpp + 1) // 2), np.uint8)
+        self.packets = PacketRows(self.rows, HEADER_LEN + (counts + 1) // 2)
+        self.submitted = 0               # values submitted so far
+        self.last_progress = time.monotonic()
+        self.closed = False
+        self.lock = threading.Lock()
+        self._progress = threading.Condition(self.lock)
+        self._error: BaseException | None = None
+        self._thread = None
+        if background:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            self._thread = threading.Thread(target=self._serve, name="thc-stream-io",
+                                            daemon=True)
+            self._thread.start()
+
+    @property
+    def num_values(self) -> int:
+        return self.ex.num_values
+
+    @property
+    def sums(self) -> np.ndarray:
+        return self.ex.sums
+
+    def submit(self, packed, num_values: int, *, values=None) -> None:
+        """The packed indices (two per byte) of values [submitted, submitted+num_values);
+        values: their rotated floats, for the DSCP/ECN policy."""
+        self._check_open()
+        t, ex, vpp = self.transport, self.ex, self.transport.vpp
+        lo, hi = self.submitted, self.submitted + num_values
+        if num_values <= 0 or hi > ex.num_values or (hi < ex.num_values and hi % vpp):
+            raise ValueError(f"submit: values [{lo}, {hi}) of {ex.num_values}: every range but "
+                             f"the last must end on a packet boundary (a multiple of {vpp})")
+        c0, c1 = lo // vpp, -(-hi // vpp)
+        bufs, _ = encode_data(packed, num_values, vpp, job=t.job, worker=t.worker,
+                              tensor=ex.tensor, slots=self.slots[c0:c1],
+                              rounds=ex.rounds[c0:c1].astype(np.uint32), expected=t.expected,
+                              min_count=t.min_count, first_offset=lo)
+        dscp, ecn = t.policy(layer=self.layer, num_layers=self.num_layers, values=values,
+                             values_per_packet=vpp, num_packets=c1 - c0)
+        tos = ((np.asarray(dscp, np.uint8) << 2) | (np.asarray(ecn, np.uint8) & 3))
+        if tos.shape != (c1 - c0,):
+            raise ValueError(f"policy returned {tos.shape} marks for {c1 - c0} packets")
+        with self.lock:
+            self.rows[c0:c1, :bufs.shape[1]] = bufs
+            self.packets.tos[c0:c1] = tos
+            self.submitted = hi
+            ex.available = c1
+            self.last_progress = time.monotonic()      # new work counts as progress
+        if self._thread is not None:
+            os.write(self._wake_w, b"s")
+        else:
+            self.pump()
+
+    def pump(self) -> None:
+        """Send, retransmit and take in what arrived, without blocking (background mode:
+        the I/O thread does it; nothing to do)."""
+        self._check_open()
+        if self._thread is None:
+            self._drive(None, block=False)
+
+    def values_done(self) -> int:
+        """How many leading values have their sums in (or were given up)."""
+        with self.lock:
+            return min(self.ex.num_values, self.ex.done_prefix() * self.transport.vpp)
+
+    def wait_values(self, num_values: int) -> None:
+        """Block until the sums of values [0, num_values) are in."""
+        self._check_open()
+        chunks = -(-num_values // self.transport.vpp)
+        self._drive(lambda: self.ex.done_prefix() >= chunks)
+
+    def counts(self, lo: int, hi: int):
+        """Contributor count of values [lo, hi): an int when every chunk agrees, else one
+        per value (0 where a chunk was given up)."""
+        vpp = self.transport.vpp
+        per_chunk = self.ex.counts[lo // vpp: -(-hi // vpp)]
+        if len(per_chunk) and (per_chunk == per_chunk[0]).all():
+            return int(per_chunk[0])
+        return np.repeat(per_chunk, vpp)[lo % vpp: lo % vpp + hi - lo]
+
+    def finish(self, until=None) -> AllreduceResult:
+        """Block until until() holds (default: every chunk done), close the stream and
+        advance the slot rounds; the result holds every chunk's sums and counts.
+
+        A bounded-loss rule would pass its own predicate (e.g. a fraction of the chunks
+        done) and give the rest up (`ex.give_up`) before the result is built."""
+        self._check_open()
+        ex = self.ex
+        if self.submitted < ex.num_values:
+            raise TransportError(f"finish: only {self.submitted} of {ex.num_values} values of "
+                                 f"tensor {ex.tensor} were submitted")
+        self._drive(until or ex.all_done)
+        self.close()
+        # Every worker advanced each slot by the same number of uses.
+        t = self.transport
+        t.slot_rounds += np.bincount(self.slots, minlength=t.pool_size)
+        return AllreduceResult(ex.sums, ex.counts, ex.contributors, t.vpp)
+
+    def _drive(self, until, block: bool = True) -> None:
+        try:
+            if self._thread is None:
+                self.transport._drive(self, until, block=block)
+            elif block:
+                self._wait(until)
+        except BaseException:
+            self.close()             # a failed exchange frees the transport for the next
+            raise
+
+    def _wait(self, until) -> None:
+        """Background mode: sleep until the I/O thread made until() true, or failed."""
+        with self._progress:
+            while not until():
+                if self._error is not None:
+                    raise self._error
+                if not self._thread.is_alive():
+                    raise TransportError(f"the I/O thread of tensor {self.ex.tensor} ended "
+                                         "before its results were in")
+                self._progress.wait(0.5)
+
+    def _serve(self) -> None:
+        """The I/O thread: rounds of receive/send/retransmit until every chunk is done."""
+        t, ex = self.transport, self.ex
+        try:
+            while True:
+                with self.lock:
+                    if self.closed:
+                        return
+                    t._round(self)
+                    self._progress.notify_all()
+                    if ex.all_done():
+                        return
+                    idle = ex.waiting_for_input()      # nothing in flight: wait for submit
+                    if not idle:
+                        t._check_timeout(self, ex.all_done)
+                    wait = None if idle else t._wait_time(self)
+                t.io.wait_readable(wait, also=self._wake_r)
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+        except BaseException as exc:         # handed to the waiter
+            with self.lock:
+                self._error = exc
+                self._progress.notify_all()
+
+    def close(self) -> None:
+        """Stop using this stream (its packets are not kept alive; its I/O thread ends)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        if self._thread is not None:
+            os.write(self._wake_w, b"c")
+            if self._thread is not threading.current_thread():
+                self._thread.join()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self.packets = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise TransportError(f"the stream of tensor {self.ex.tensor} is closed")
+
+
 class _Exchange:
     """The window state of one tensor: per-chunk sent/done/timers, the result arrays."""
 
@@ -677,19 +737,31 @@ class _Exchange:
         self.counts = np.zeros(n_chunks, np.int64)
         self.contributors = np.zeros(n_chunks, np.uint32)
         self.probed = np.full(n_chunks, PROBE_NONE, np.int64)   # bitmaps from probe replies
+        self.available = 0             # chunks [0, available) have been submitted
         self._next_unsent = 0
         self._n_done = 0
+        self._done_prefix = 0
         self.last_progress = time.monotonic()
 
     def all_done(self) -> bool:
         return self._n_done == self.n_chunks
+
+    def done_prefix(self) -> int:
+        """How many leading chunks are done (results in, or given up)."""
+        while self._done_prefix < self.n_chunks and self.done[self._done_prefix]:
+            self._done_prefix += 1
+        return self._done_prefix
+
+    def waiting_for_input(self) -> bool:
+        """Every submitted chunk is done, and some were never submitted."""
+        return self.available < self.n_chunks and self.done_prefix() >= self.available
 
     def chunk_values(self, chunk):
         return np.minimum(self.vpp, self.num_values - chunk * self.vpp)
 
     def sendable(self) -> np.ndarray:
         lo = self._next_unsent
-        c = np.arange(lo, min(self.n_chunks, lo + self.pool))
+        c = np.arange(lo, min(self.available, lo + self.pool))
         if not len(c):
             return c
         prev = c - self.pool
@@ -700,7 +772,7 @@ class _Exchange:
         self.sent[chunks] = True
         self.sent_at[chunks] = now
         self.deadline[chunks] = now + rto
-        while self._next_unsent < self.n_chunks and self.sent[self._next_unsent]:
+        while self._next_unsent < self.available and self.sent[self._next_unsent]:
             self._next_unsent += 1
 
     def expired(self, now, rto) -> np.ndarray:

@@ -4,7 +4,8 @@ The RHT and the quantizer are thc.vector_kernels (explicit 16-lane vectors: FFHT
 FWHT with the signs and the scale fused in, table lookups in registers); this module owns
 shapes, padding, scratch buffers and the choice of threads, with the same signatures as
 the numpy reference backend. Norms, lookup and decode are plain Numba loops (LLVM
-vectorizes them).
+vectorizes them). Every kernel releases the GIL (nogil=True): host.allreduce runs the codec
+on its exchange thread while the training thread goes on with backward.
 
 RHT work layout (why it is fast): see thc.vector_kernels. In short, every float is read
 once and written once; the 4 smallest strides are lane shuffles inside one vector, the
@@ -47,7 +48,7 @@ def _signed(v, p, key):
     return v
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _tiny_partitions(src, si, dst, di, n, count, pos, key, scale, sign, add, has_add,
                      squares):
     """Partitions of fewer than 16 floats (2, 4 or 8): scalar radix-2 with the operation
@@ -170,7 +171,7 @@ DECODE_TASK = 1 << 16
 
 # Inner loops run over slices from index 0: an index that could be negative carries
 # Numba's wraparound select, which keeps LLVM from vectorizing (5x slower here).
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _lookup(packed, pair_table, out16):
     """Both table values of a packed byte in one 16-bit load: pair_table[b] holds T[b >> 4]
     in its low byte (element 2k, first in memory) and T[b & 15] in its high byte."""
@@ -183,7 +184,7 @@ def _lookup(packed, pair_table, out16):
             dst[k] = pair_table[src[k]]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _decode_rotated(sums, counts, half, step, log_p, out):
     """-M + (Y / count) * step per element; count 0 -> 0. counts: 1 entry or one each.
     Tasks never straddle a partition, so M and step are loop constants and the loop

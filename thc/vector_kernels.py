@@ -396,7 +396,7 @@ def _chunk_into_scratch(src, si, scratch, p, pos, key, scale, sign):
            SIGN_FIRST if sign == SIGN_FIRST else SIGN_NONE, False, scratch, 0, False)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add, has_add):
     """One partition of n >= 16 floats, src[si:si+n] -> dst[di:di+n] (pos: padded position
     of its first float); returns the sum of squares of the output. Post-order: after each
@@ -422,7 +422,7 @@ def _partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add, has
 
 
 def _shared_partition_driver(sign, nt, has_add):
-    @njit(cache=True, parallel=True)
+    @njit(cache=True, parallel=True, nogil=True)
     def shared_partition(src, si, dst, di, n, pos, key, scale, scratch, add):
         for b in prange(n // 4096):
             for c in range(16):
@@ -452,7 +452,7 @@ def _shared_partition_driver(sign, nt, has_add):
 
 
 def _partitions_driver(sign, nt, has_add):
-    @njit(cache=True, parallel=True)
+    @njit(cache=True, parallel=True, nogil=True)
     def partitions(src, si, dst, di, n, count, pos, key, scale, scratch, add, squares):
         threads = scratch.shape[0]
         for t in prange(threads):
@@ -517,7 +517,7 @@ def _sumsq256(typingctx, x, i):
     return sig, codegen
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def sum_squares(x, starts, lengths, chunk):
     """Sum of squares of every x[starts[k]:starts[k]+lengths[k]], in float64. Work is split
     into chunks of `chunk` floats (a multiple of 256) over the threads; the per-chunk sums
@@ -773,7 +773,7 @@ def _quantize_bytes_scalar(rot, out, k0, k1, m, sc, g, cells, inv_width, key, ta
 QUANT_TASK = 1 << 15         # bytes per parallel task
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def quantize(rot, half, scale, step, g, cells, inv_width, table, log_p, key, out, err,
              has_err):
     """Packed 4-bit indices of rot (partition k = element >> log_p uses half[k], scale[k]);

@@ -60,3 +60,30 @@ def test_main_job_with_the_dpdk_switch(tmp_path):
     assert job["results_multicast"] >= results > 0
     assert job["aggregated"] >= 2 * results
     assert job["drop_not_member"] == 0 and job["drop_bad_slot"] == 0
+
+
+@pytest.mark.netns
+def test_main_job_on_shaped_links_reports_time_to_accuracy(tmp_path):
+    """--link-mbit: workers in network namespaces behind shaped links, the reference
+    aggregator on the bridge; both runs, and each one's time to fp32's final accuracy."""
+    from host.netem import netns_available
+    reason = netns_available()
+    if reason:
+        pytest.skip(f"network namespaces: {reason}")
+    res = run_main_job("--link-mbit", "200", "--workers", "2", "--steps", "20", "--hidden",
+                       "64", "--eval-every", "5", "--out-dir", str(tmp_path), timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "main_job.json").read_text())
+    assert out["link_mbit"] == 200
+    runs = out["runs"]
+    assert set(runs) == {"thc", "none"}
+    for run in runs.values():
+        assert run["log"]["step"] == [5, 10, 15, 20]
+        times = run["log"]["time_s"]
+        assert times == sorted(times) and times[0] > 0
+    assert runs["thc"]["transport"]["results_accepted"] > 0    # through the aggregator
+    tta = out["time_to_accuracy"]
+    assert tta["target"] == runs["none"]["test_acc"]
+    assert tta["seconds"]["none"] == runs["none"]["log"]["time_s"][
+        runs["none"]["log"]["test_acc"].index(tta["target"])]
+    assert "training time to fp32's final test accuracy" in res.stdout

@@ -341,3 +341,163 @@ def test_a_busy_worker_port_is_refused_clearly():
         AggregatorTransport(("127.0.0.1", 50000), job=1, worker=0, expected=1, pool_size=2,
                             local=holder.getsockname())
     holder.close()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["caller-driven", "io-thread"])
+def test_a_streamed_tensor_gives_the_same_sums(aggregator, background):
+    """Ranges submitted one by one, pumped in between (or by the stream's I/O thread),
+    read back as they complete."""
+    n, d, vpp, pool = 2, 6000, 256, 4
+    svc, addrs = aggregator(n, pool)
+    ts = transports(svc.address, addrs, pool, values_per_packet=vpp, timeout=10)
+    idx = random_indices(n, d, 8)
+    cuts = [0, 1024, 1024 + 2048, d]                 # ranges end on packet boundaries
+
+    def work(w):
+        stream = ts[w].open_stream(d, 5, background=background)
+        done = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            stream.submit(pack(idx[w][lo:hi]), hi - lo)
+            stream.pump()
+            done.append(stream.values_done())
+        stream.wait_values(cuts[2])
+        assert stream.values_done() >= cuts[2]
+        partial = stream.sums[:cuts[2]].copy()
+        res = stream.finish()
+        return res, partial, done
+    out = run_workers(n, work)
+    expected = np.sum([TABLE[i] for i in idx], axis=0)
+    for res, partial, done in out:
+        assert np.array_equal(res.sums.astype(np.int64), expected)
+        assert np.array_equal(partial.astype(np.int64), expected[:cuts[2]])
+        assert done == sorted(done)                        # completion only moves forward
+    assert [t.slot_rounds.tolist() for t in ts] == [[6, 6, 6, 6]] * n   # 24 chunks / 4 slots
+    with pytest.raises(ValueError, match="packet boundary"):
+        ts[0].open_stream(d, 6).submit(pack(idx[0][:100]), 100)
+    for t in ts:
+        t.close()
+
+
+def _capture(agg, count):
+    grams = []
+    for _ in range(count):
+        data, tos, _ = agg.recv()
+        grams.append((data, tos))
+    return grams
+
+
+@pytest.mark.parametrize("marks", ["uniform", "runs"])
+def test_gso_sends_the_same_datagrams_in_fewer_calls(marks):
+    """UDP GSO (one super-datagram per run of full rows) vs one datagram per row: the
+    aggregator receives identical datagrams with identical ToS bytes."""
+    from host.transport import gso_available
+    if not gso_available():
+        pytest.skip("no UDP GSO path here (not Linux/glibc)")
+
+    def policy(*, layer, num_layers, values, values_per_packet, num_packets):
+        dscp = np.full(num_packets, 40, np.uint8)
+        if marks == "runs":
+            dscp = (40 + (np.arange(num_packets) // 3) % 2).astype(np.uint8)
+        return dscp, np.zeros(num_packets, np.uint8)
+    d, vpp = 40 * 64 + 17, 64                              # a short last packet
+    packed = pack(random_indices(1, d, 3)[0])
+    received, calls = {}, {}
+    for gso in (True, False):
+        agg = FakeAggregatorSocket()
+        t = AggregatorTransport(agg.address, job=1, worker=0, expected=1, pool_size=64,
+                                values_per_packet=vpp, timeout=0.3, policy=policy, gso=gso)
+        with pytest.raises(AggregatorTimeout):
+            t.allreduce(packed, d, 0)                      # nobody answers: fine here
+        assert t.io.gso == gso                            # the path took GSO, no fallback
+        received[gso] = _capture(agg, 41)
+        calls[gso] = t.stats.send_messages
+        t.close()
+    first = {k: [g for g in v if not decode_headers([g[0]])["flags"][0]] for k, v in
+             received.items()}
+    assert first[True] == first[False] and len(first[True]) == 41
+    assert calls[False] >= 41 and calls[True] < calls[False] / 2   # runs of rows in one
+    expected_tos = {40 << 2} if marks == "uniform" else {40 << 2, 41 << 2}
+    assert {tos for _, tos in first[True]} == expected_tos
+
+
+def test_packets_larger_than_the_path_mtu_are_refused():
+    """A network namespace whose loopback has a 1200-byte MTU: 1024-value RESULTs (1084
+    bytes) fit, 2048-value ones would be fragmented, which no data plane reassembles."""
+    from host.netem import netns_available
+    reason = netns_available()
+    if reason:
+        pytest.skip(f"network namespaces: {reason}")
+    import subprocess
+    import sys
+    import uuid
+    ns = f"thcmtu{uuid.uuid4().hex[:6]}"
+    code = ("import host.transport as t\n"
+            "t.MAX_VALUES = 8192\n"
+            "ok = t.AggregatorTransport(('127.0.0.1', 9), job=1, worker=0, expected=1, "
+            "pool_size=2, values_per_packet=1024)\n"
+            "try:\n"
+            "    t.AggregatorTransport(('127.0.0.1', 9), job=1, worker=0, expected=1, "
+            "pool_size=2, values_per_packet=2048)\n"
+            "except ValueError as e:\n"
+            "    print('refused:', e)\n")
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "mtu", "1200", "up"], check=True)
+        res = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=60,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                                 os.path.abspath(__file__)))))
+    finally:
+        subprocess.run(["ip", "netns", "del", ns])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "refused:" in res.stdout and "path MTU to the aggregator 127.0.0.1 is 1200" in \
+        res.stdout and "values_per_packet <= 1140" in res.stdout
+
+
+def test_a_busy_caller_causes_no_spurious_retransmissions(aggregator):
+    """Results that arrived while the pipeline was quantizing are taken in before any
+    timer is checked: no retransmission although the caller was away for 20 RTOs."""
+    svc, addrs = aggregator(1, 8)
+    t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=8,
+                            local=addrs[0], values_per_packet=64, timeout=10,
+                            timer=RetransmitTimer(rto_init=0.005, rto_min=0.005))
+    idx = random_indices(1, 512, 4)[0]
+    t.allreduce(pack(idx), 512, 0)
+    for wait in ("wait_values", "pump"):
+        stream = t.open_stream(512, 1)
+        stream.submit(pack(idx[:256]), 256)
+        time.sleep(0.1)                                   # "quantizing the next range"
+        if wait == "pump":
+            stream.pump()
+        stream.wait_values(256)
+        stream.submit(pack(idx[256:]), 256)
+        res = stream.finish()
+        assert np.array_equal(res.sums, TABLE[idx])
+    assert t.stats.retransmissions == 0 and t.stats.duplicates == 0
+    t.close()
+
+
+def test_an_io_thread_error_reaches_the_waiter():
+    """Background mode: the I/O thread's timeout (a silent aggregator) and an ICMP port
+    unreachable come out of wait_values in the caller's thread, and the stream closes."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    t = AggregatorTransport(silent.getsockname(), job=1, worker=0, expected=1, pool_size=2,
+                            values_per_packet=8, timeout=0.5)
+    stream = t.open_stream(32, 0, background=True)
+    stream.submit(np.zeros(8, np.uint8), 16)
+    t0 = time.monotonic()
+    with pytest.raises(AggregatorTimeout, match="nothing was ever received"):
+        stream.wait_values(16)
+    assert time.monotonic() - t0 < 5 and stream.closed
+    assert t.open_stream(32, 1) is not None                # the transport is free again
+    silent.close()
+    port = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    port.bind(("127.0.0.1", 0))
+    gone = port.getsockname()
+    port.close()
+    t2 = AggregatorTransport(gone, job=1, worker=0, expected=1, pool_size=2, timeout=5)
+    stream = t2.open_stream(20, 0, background=True)
+    stream.submit(np.zeros(10, np.uint8), 20)
+    with pytest.raises(AggregatorUnreachable, match="nothing listens"):
+        stream.finish()
