@@ -13,7 +13,6 @@ for the dry run, the tests and the switch.
 """
 from __future__ import annotations
 
-import inspect
 import ipaddress
 import math
 from dataclasses import dataclass, field
@@ -272,14 +271,9 @@ def ip_int(ip: str) -> int:
 
 
 # --------------------------------------------------------------------------- checks
-def _supports_v2(config: SwitchConfig) -> bool:
-    return "max_values" in inspect.signature(config.validate).parameters
-
-
 def values_per_packet(job: Job) -> int:
-    """The job's values_per_packet (protocol v2 R7). A dataplane.config from before v2 has
-    no such field; its jobs then use the program's whole MAX_VALUES, as v1 hosts did."""
-    return int(getattr(job, "values_per_packet", TOFINO_MAX_VALUES))
+    """The job's values_per_packet (protocol v2 R7)."""
+    return int(job.values_per_packet)
 
 
 def member_mask(job: Job) -> int:
@@ -292,10 +286,7 @@ def member_mask(job: Job) -> int:
 def validate(config: SwitchConfig) -> None:
     """dataplane.config's validation (the one every control plane runs) with this program's
     limits, then what only Tofino limits. Raises ConfigError saying what to lower."""
-    if _supports_v2(config):
-        config.validate(max_slots=SLOT_BUDGET, max_values=TOFINO_MAX_VALUES, plane=PLANE)
-    else:
-        config.validate(max_slots=SLOT_BUDGET)
+    config.validate(max_slots=SLOT_BUDGET, max_values=TOFINO_MAX_VALUES, plane=PLANE)
     for job in config.jobs:
         vpp = values_per_packet(job)
         if vpp > TOFINO_MAX_VALUES:

@@ -20,9 +20,6 @@ from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
 from .bfrt_standin import BfrtStandIn, StandInError
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
-V2 = "values_per_packet" in Job.__dataclass_fields__
-needs_v2 = pytest.mark.skipif(not V2, reason="dataplane.config before protocol v2 (branch "
-                                             "proto) has no values_per_packet / R2 check")
 
 
 def members(n: int, first_port: int = 0) -> tuple[Member, ...]:
@@ -31,9 +28,7 @@ def members(n: int, first_port: int = 0) -> tuple[Member, ...]:
 
 
 def job(job_id=10, pool=8, n=4, first_port=0, vpp=64) -> Job:
-    if V2:
-        return Job(job_id, pool, TABLE, members(n, first_port), vpp)
-    return Job(job_id, pool, TABLE, members(n, first_port))
+    return Job(job_id, pool, TABLE, members(n, first_port), vpp)
 
 
 def config(**kw) -> SwitchConfig:
@@ -230,7 +225,6 @@ def test_a_job_the_program_cannot_hold_is_refused_before_any_write(what, kw, mes
     assert standin.log == []
 
 
-@needs_v2
 def test_values_per_packet_over_the_program_limit_is_refused():
     with pytest.raises(ConfigError, match="the Tofino program's limit of 64 values per "
                                           "packet; lower values_per_packet"):

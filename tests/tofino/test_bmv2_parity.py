@@ -2,9 +2,8 @@
 bfrt_scripts.tofino_plan (Tofino) must install the same job layout, membership, lookup
 table contents, multicast members, member addresses, DLCP map and routes.
 
-The comparison runs on the fields both plans have: BMv2's members are keyed by (job,
-worker, port) before protocol v2 and by the member's addresses too after it, so the
-membership check tightens by itself when that lands."""
+The comparison runs on the fields both plans have (BMv2's member key next to the Tofino
+program's)."""
 from __future__ import annotations
 
 import ipaddress
@@ -33,10 +32,7 @@ def as_int(field: str, text: str) -> int:
 def job(job_id, pool, n, first_port) -> Job:
     members = tuple(Member(w, first_port + (n - 1 - w), f"02:00:00:00:{job_id:02x}:{w + 1:02x}",
                            f"10.{job_id}.0.{w + 1}", 40000 + w) for w in range(n))
-    try:
-        return Job(job_id, pool, TABLE, members, 64)
-    except TypeError:           # dataplane.config before protocol v2: no values_per_packet
-        return Job(job_id, pool, TABLE, members)
+    return Job(job_id, pool, TABLE, members, 64)
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +63,9 @@ def test_job_layout_is_the_same(plans):
         assert int(params["slot_base"]) == tjobs[j]["slot_base"]
         assert int(params["pool_size"]) == tjobs[j]["pool_size"]
         assert int(params["job_index"]) * tp.JOB_COUNTER_STRIDE == tjobs[j]["counter_base"]
-        if "values_per_packet" in params:           # BMv2 plan of protocol v2
-            assert int(params["values_per_packet"]) == tjobs[j]["values_per_packet"]
-            assert int(params["member_mask"]) == ~tjobs[j]["nonmember_mask"] & 0xFFFFFFFF
-            assert int(params["member_count"]) == tjobs[j]["member_count"]
+        assert int(params["values_per_packet"]) == tjobs[j]["values_per_packet"]
+        assert int(params["member_mask"]) == ~tjobs[j]["nonmember_mask"] & 0xFFFFFFFF
+        assert int(params["member_count"]) == tjobs[j]["member_count"]
 
 
 def test_membership_is_the_same_on_the_fields_both_key(plans):

@@ -35,10 +35,7 @@ def controls():
 
 
 def job_with(job_id, pool, members, vpp=tp.TOFINO_MAX_VALUES) -> Job:
-    try:
-        return Job(job_id, pool, TABLE, members, vpp)
-    except TypeError:           # dataplane.config before protocol v2: no values_per_packet
-        return Job(job_id, pool, TABLE, members)
+    return Job(job_id, pool, TABLE, members, vpp)
 
 
 def full_config() -> SwitchConfig:
@@ -248,7 +245,7 @@ def test_agg_header_matches_the_wire_format(controls):
     assert names[2:] == [n for n in HEADER_DTYPE.names if n != "ver_type"]
     version = re.search(r"AGG_VERSION\s*=\s*(\d+);", text)
     assert int(version.group(1)) == 2
-    assert dc.PROTOCOL_VERSION in (1, 2)        # v2 once protocol v2 lands in dataplane
+    assert dc.PROTOCOL_VERSION == 2
 
 
 FEATURES = {

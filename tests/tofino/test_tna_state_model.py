@@ -32,10 +32,7 @@ def popcount(x: int) -> int:
 
 
 def job_with(job_id, pool, members, vpp=tp.TOFINO_MAX_VALUES) -> Job:
-    try:
-        return Job(job_id, pool, TABLE, members, vpp)
-    except TypeError:           # dataplane.config before protocol v2: no values_per_packet
-        return Job(job_id, pool, TABLE, members)
+    return Job(job_id, pool, TABLE, members, vpp)
 
 
 class TnaSlotModel:
