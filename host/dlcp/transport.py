@@ -356,6 +356,8 @@ class DlcpReceiver:
         self.end_marks = 0
         self.data_packets = 0
         self.tos_counts: dict[int, int] = {}
+        self.control_counts: dict[int, int] = {}   # control messages received, by type
+        self.statuses_sent = 0
         self._active: dict[int, _Inbound] = {}
         self._iterations: dict[int, _InboundIteration] = {}
         self._own: dict[int, np.ndarray] = {}
@@ -480,6 +482,7 @@ class DlcpReceiver:
                 self.malformed_control += 1     # bad body length: dropped and counted
 
     def _on_control(self, conn: socket.socket, msg_type: int, body: bytes) -> None:
+        self.control_counts[msg_type] = self.control_counts.get(msg_type, 0) + 1
         if msg_type == MSG_ANNOUNCE:
             self._on_announce(conn, *parse_announce(body))
         elif msg_type == MSG_END:
@@ -570,12 +573,14 @@ class DlcpReceiver:
                 st.retx_requests += 1
                 missing = np.flatnonzero(~st.received)
             entries.append((st.tensor_id, st.count, missing))
+        self.statuses_sent += 1
         self._send(it.conn, frame(MSG_STATUS, status_body(it.key, False, entries)))
 
     def _finish(self, it: _InboundIteration) -> None:
         """Every tensor met its bound: STATUS(done) and deliver (nothing more is sent)."""
         it.done = True
         entries = [(st.tensor_id, st.count, np.zeros(0, np.int64)) for st in it.tensors]
+        self.statuses_sent += 1
         self._send(it.conn, frame(MSG_STATUS, status_body(it.key, True, entries)))
         del self._iterations[it.key]
         self._forget(it)
@@ -615,8 +620,6 @@ class DlcpReceiver:
         kinds, counts = np.unique(tos[rows][~is_mark], return_counts=True)
         for k, c in zip(kinds.tolist(), counts.tolist()):     # per-ToS arrivals (E3 accounting)
             self.tos_counts[k] = self.tos_counts.get(k, 0) + c
-        for i in np.flatnonzero(is_mark):
-            self._on_end_mark(hdr[i], int(nbytes[rows[i]]))
         data = ~is_mark
         tids = hdr["tensor"][data]
         for tid in np.unique(tids).tolist():
@@ -625,6 +628,9 @@ class DlcpReceiver:
         for it in {self._active[t].iteration for t in np.unique(tids).tolist() if t in self._active}:
             if it.incomplete == 0 and not it.done:
                 self._finish(it)
+        # Markers last: a marker in this batch came after the data in it.
+        for i in np.flatnonzero(is_mark):
+            self._on_end_mark(hdr[i], int(nbytes[rows[i]]))
 
     def _lookup(self, tensor_id: int) -> _Inbound | None:
         """An unknown tensor: read control messages already waiting (its ANNOUNCE may be
