@@ -232,7 +232,8 @@ def run_worker(args) -> None:
                             seed=args.worker, rate_control=dlcp,
                             recovery="dlcp" if dlcp else "timer", rto_s=args.rto / 1000,
                             timeout_s=120, reset_on_retx=not args.keep_rate_on_retx,
-                            rate_delta=args.delta)
+                            rate_delta=args.delta, ce_threshold=args.ce_threshold,
+                            retx_extra=args.retx_extra)
     for it in range(args.iterations):
         _sleep_until(args.t0 + it * args.period)
         order = list(reversed(range(len(sizes))))     # backprop order: last layer first
@@ -284,7 +285,9 @@ def run_scheme(scheme: str, args, tmp: Path) -> dict:
               "--iterations", str(args.iterations), "--rate", str(args.rate),
               "--p", str(args.p), "--rto", str(args.rto), "--bands", str(args.bands),
               "--report-ms", str(args.report_ms), "--drain-ms", str(args.drain_ms),
-              "--delta", str(args.delta)] + (["--keep-rate-on-retx"] if args.keep_rate_on_retx else [])
+              "--delta", str(args.delta)] + (["--retx-extra", str(args.retx_extra)]
+                                             if args.retx_extra is not None else []) + (["--ce-threshold", str(args.ce_threshold)]
+                                             if args.ce_threshold is not None else []) + (["--keep-rate-on-retx"] if args.keep_rate_on_retx else [])
     sw_out = tmp / f"{scheme}-switch.json"
     switch = in_ns(NS_SWITCH, "host.dlcp.switchbox", "--if0", "sw0", "--if1", "sw1",
                    "--mac", SWITCH_MAC, "--route0", f"10.0.0.0/24,{WORKER_MAC}",
@@ -490,6 +493,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="DLCP rate control: congested when send > delta * receive rate")
     ap.add_argument("--keep-rate-on-retx", action="store_true",
                     help="DLCP: do not reset to line rate for a retransmission round")
+    ap.add_argument("--ce-threshold", type=float, default=None,
+                    help="DLCP rate control's ECN echo: a report with more CE-marked arrivals "
+                         "than this share counts as congested (off by default)")
+    ap.add_argument("--retx-extra", type=float, default=None,
+                    help="DLCP: resend only a tensor's deficit times (1 + this) of the missing "
+                         "segments a STATUS lists (default: all of them, as the paper)")
     ap.add_argument("--e1-margin", type=float, default=0.1,
                     help="E1's small margin over the ideal iteration time (a fraction)")
     ap.add_argument("--json", help="write the summary here")
@@ -562,7 +571,7 @@ def main(argv=None) -> int:
     if args.json:
         summary = {"config": {k: v for k, v in vars(args).items() if k in (
             "workers", "iterations", "period", "scale", "rate", "bg_fraction", "p", "p_pull", "rto",
-            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta",
+            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta", "ce_threshold", "retx_extra",
             "keep_rate_on_retx")},
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "tct_all_ms"}
                         for k, v in results.items()}}

@@ -86,7 +86,7 @@ TENSOR_ENTRY = struct.Struct("!IIIHdB")  # tensor_id, num_values, num_segments, 
 END_BODY = struct.Struct("!II")          # key, datagrams sent (all rounds)
 STATUS_HEAD = struct.Struct("!IBI")      # key, done, entries
 STATUS_ENTRY = struct.Struct("!III")     # tensor_id, received, missing listed (then u32 each)
-RATE_BODY = struct.Struct("!Idd")        # key, receive rate (bit/s), window (s)
+RATE_BODY = struct.Struct("!Iddd")       # key, receive rate (bit/s), window (s), CE share
 ID_BODY = struct.Struct("!I")
 STAGES = ("push", "pull")
 MISSING_POLICIES = ("zero", "own")
@@ -311,6 +311,8 @@ class _InboundIteration:
     incomplete: int = 0
     window_bytes: int = 0
     window_start: float = 0.0
+    window_packets: int = 0
+    window_ce: int = 0                # CE-marked arrivals in the report window
     arrivals: int = 0                 # data datagrams, duplicates included
     last_arrival: float = 0.0
     rank: int = 0                     # lowest priority (highest rank) its data arrived with
@@ -624,7 +626,7 @@ class DlcpReceiver:
         tids = hdr["tensor"][data]
         for tid in np.unique(tids).tolist():
             pick = np.flatnonzero(data)[tids == tid]
-            self._on_tensor_data(tid, rows[pick], hdr[pick], rank[pick], now)
+            self._on_tensor_data(tid, rows[pick], hdr[pick], rank[pick], tos[rows[pick]], now)
         for it in {self._active[t].iteration for t in np.unique(tids).tolist() if t in self._active}:
             if it.incomplete == 0 and not it.done:
                 self._finish(it)
@@ -657,7 +659,7 @@ class DlcpReceiver:
         if not it.done and it.stop_sent is not None and sent >= it.stop_sent and seen[0] >= seen[1]:
             self._request_missing(it)
 
-    def _on_tensor_data(self, tid: int, rows, h, rank, now: float) -> None:
+    def _on_tensor_data(self, tid: int, rows, h, rank, tos, now: float) -> None:
         st = self._lookup(tid)
         if st is None:
             if tid in self._finished_ids:
@@ -680,6 +682,8 @@ class DlcpReceiver:
         it.last_arrival = now
         it.rank = max(it.rank, int(rank[ok].max()))
         it.window_bytes += int(nbytes.sum()) + WIRE_OVERHEAD * len(rows)
+        it.window_packets += len(rows)
+        it.window_ce += int(np.count_nonzero(tos[ok] & 3 == 3))
         seg, first = np.unique(seg, return_index=True)
         fresh = ~st.received[seg]
         st.duplicates += len(rows) - int(fresh.sum())
@@ -700,8 +704,9 @@ class DlcpReceiver:
             if it.done or window <= 0:
                 continue
             rate = it.window_bytes * 8 / window
-            self._send(it.conn, frame(MSG_RATE, RATE_BODY.pack(it.key, rate, window)))
-            it.window_bytes, it.window_start = 0, now
+            ce = it.window_ce / it.window_packets if it.window_packets else 0.0
+            self._send(it.conn, frame(MSG_RATE, RATE_BODY.pack(it.key, rate, window, ce)))
+            it.window_bytes, it.window_start, it.window_packets, it.window_ce = 0, now, 0, 0
 
 
 # --- sender --------------------------------------------------------------------------
@@ -743,6 +748,11 @@ class DlcpSender:
     again and again while the queue stays above its threshold (our extension).
     The rate controller lives as long as the sender: tensors and iterations carry its
     rate over. reset_on_retx: line rate again for a retransmission round (the paper).
+    rate_delta, ce_threshold: the controller's Δ and its optional ECN echo (ratecontrol).
+    retx_extra: None resends every segment a STATUS lists (the paper); a number resends
+    only the tensor's deficit (need - received) times (1 + retx_extra) of them, in send
+    order, since the bound needs no more (our option; the resends are ECT, so only a full
+    buffer loses them).
     """
 
     def __init__(self, receiver_udp: tuple[str, int], receiver_tcp: tuple[str, int], *,
@@ -752,7 +762,8 @@ class DlcpSender:
                  rto_s: float = 0.01, source_ip: str | None = None, timeout_s: float = 60.0,
                  start_delay_s: float = 0.0, retx_important: bool = True,
                  reset_on_retx: bool = True, batched: bool | None = None,
-                 rate_delta: float | None = None) -> None:
+                 rate_delta: float | None = None, ce_threshold: float | None = None,
+                 retx_extra: float | None = None) -> None:
         if not 1 <= values_per_segment <= MAX_VALUES_PER_SEGMENT:
             raise ValueError(f"values_per_segment must be in 1..{MAX_VALUES_PER_SEGMENT}")
         if recovery not in ("dlcp", "timer"):
@@ -773,10 +784,13 @@ class DlcpSender:
         self.start_delay_s = start_delay_s
         self.retx_important = retx_important
         self.reset_on_retx = reset_on_retx
+        if retx_extra is not None and retx_extra < 0:
+            raise ValueError("retx_extra must be >= 0 (or None to resend every missing segment)")
+        self.retx_extra = retx_extra
         self.rc = None
         if link_bps:
-            self.rc = RateController(link_bps) if rate_delta is None \
-                else RateController(link_bps, delta=rate_delta)
+            self.rc = RateController(link_bps, ce_threshold=ce_threshold,
+                                     **({} if rate_delta is None else {"delta": rate_delta}))
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         udp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         if source_ip:
@@ -872,6 +886,7 @@ class _IterationTransfer:
         self.announce = announce_body(self.key, [
             TensorAnnouncement(t.tensor_id, f.size, n, s.vps, p, STAGES.index(stage))
             for t, f, n in zip(tensors, flats, self.counts)])
+        self.need = [fin_threshold(n, p) for n in self.counts]
         self.first_sent = np.zeros(len(tensors))
         self.done = False
         self.status: dict | None = None
@@ -934,7 +949,12 @@ class _IterationTransfer:
             k = index[tid]
             missing = missing[missing < self.counts[k]]
             self.retx_lists[tid].append(missing.tolist())
-            rows.append(self.base[k] + self.position[k][missing])
+            at = self.base[k] + np.sort(self.position[k][missing])   # in the round's send order
+            if self.s.retx_extra is not None:
+                # Only what the bound needs, plus a margin for a resend lost again.
+                deficit = self.need[k] - self.received.get(tid, 0)
+                at = at[:max(1, deficit + math.ceil(self.s.retx_extra * deficit))]
+            rows.append(at)
         self.status = None
         rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
         self.packets.rows[rows, 14] = FLAG_RETX
@@ -1044,7 +1064,7 @@ class _IterationTransfer:
         elif msg_type == MSG_ERROR:
             raise DlcpError(f"receiver refused iteration {key}: {body[4:].decode(errors='replace')}")
 
-    def _on_rate(self, recv_bps: float, _window: float) -> None:
+    def _on_rate(self, recv_bps: float, _window: float, ce_fraction: float) -> None:
         now = time.monotonic()
         elapsed = now - self.window_start
         rc = self.s.rc
@@ -1052,7 +1072,7 @@ class _IterationTransfer:
             return
         send_bps = self.sent_bits_window / elapsed
         self.sent_bits_window, self.window_start = 0, now
-        rc.on_report(send_bps, recv_bps)
+        rc.on_report(send_bps, recv_bps, ce_fraction)
 
     def _wait(self, until: float, until_status: bool = False) -> None:
         """Process control messages until STATUS (done, or with requests) or the time `until`."""
