@@ -9,17 +9,22 @@ DLCP egress stage (docs/protocol.md §6) on AF_PACKET sockets, with the PS-facin
 rate-limited (the incast bottleneck). This kernel has no prio/RED qdiscs, so the model
 is the switch. Every scheme crosses the same switch:
 
-* ``dlcp``: the bounded-loss transport, DlcpPolicy marks (band DSCP + ECT/Not-ECT).
+* ``dlcp``: the bounded-loss transport, DlcpPolicy marks (band DSCP + ECT/Not-ECT), one
+  ANNOUNCE and one END/STATUS exchange per iteration, the rate controller carried across
+  tensors and iterations (with its ECN echo), deficit-only resends.
 * ``udp_timer``: the same UDP data path with p = 0, no marks (DSCP 0), no rate control,
-  and timeout-driven recovery (wait ``rto`` for FIN, then ask for the missing segments).
-* ``tcp``: kernel TCP (one connection per worker, DSCP 0), route ``rto_min`` = ``rto``.
+  and timeout-driven recovery (wait ``rto`` for STATUS(done), then ask for the missing).
+* ``tcp``: kernel TCP (one connection per worker, DSCP 0), route ``rto_min`` = ``rto``;
+  one tensor after the other, each acknowledged by the PS.
 
 Background: a constant-rate UDP flow (DSCP 0 -> queue 0) from the worker namespace to the
 PS. DLCP uses 6 data bands by default (queues 6..1) so that best-effort traffic has queue 0
 to itself; with all 7 bands the back layers would share queue 0 with the background.
 Each iteration every worker sends all 54 ResNet-50 layer tensors (sizes scaled down by
-``--scale``) back to front, one after the other; iterations start on a shared clock, so
-the workers' tensors meet at the bottleneck (incast).
+``--scale``) back to front; iterations start on a shared clock, so the workers' tensors
+meet at the bottleneck (incast). A tensor's completion time runs from its first byte
+sent to the receiver having it (TCP: to the PS's ack; DLCP: to the receiver reaching the
+tensor's bound); push time is the wall time of a worker's whole iteration.
 
 Usage: ``python -m host.dlcp.evaluate --json results.json`` (plots go to docs/img/).
 """
@@ -231,9 +236,10 @@ def run_worker(args) -> None:
                             policy=DlcpPolicy(num_bands=args.bands, seed=args.worker) if dlcp else None,
                             seed=args.worker, rate_control=dlcp,
                             recovery="dlcp" if dlcp else "timer", rto_s=args.rto / 1000,
-                            timeout_s=120, reset_on_retx=not args.keep_rate_on_retx,
-                            rate_delta=args.delta, ce_threshold=args.ce_threshold,
-                            retx_extra=args.retx_extra)
+                            timeout_s=120, reset_on_retx=args.reset_rate_on_retx,
+                            rate_delta=args.delta, rate_ai=args.ai,
+                            ce_threshold=args.ce_threshold if args.ce_threshold >= 0 else None,
+                            retx_extra=args.retx_extra if args.retx_extra >= 0 else None)
     for it in range(args.iterations):
         _sleep_until(args.t0 + it * args.period)
         order = list(reversed(range(len(sizes))))     # backprop order: last layer first
@@ -285,9 +291,8 @@ def run_scheme(scheme: str, args, tmp: Path) -> dict:
               "--iterations", str(args.iterations), "--rate", str(args.rate),
               "--p", str(args.p), "--rto", str(args.rto), "--bands", str(args.bands),
               "--report-ms", str(args.report_ms), "--drain-ms", str(args.drain_ms),
-              "--delta", str(args.delta)] + (["--retx-extra", str(args.retx_extra)]
-                                             if args.retx_extra is not None else []) + (["--ce-threshold", str(args.ce_threshold)]
-                                             if args.ce_threshold is not None else []) + (["--keep-rate-on-retx"] if args.keep_rate_on_retx else [])
+              "--delta", str(args.delta), "--ai", str(args.ai), "--retx-extra", str(args.retx_extra),
+              "--ce-threshold", str(args.ce_threshold)] + (["--reset-rate-on-retx"] if args.reset_rate_on_retx else [])
     sw_out = tmp / f"{scheme}-switch.json"
     switch = in_ns(NS_SWITCH, "host.dlcp.switchbox", "--if0", "sw0", "--if1", "sw1",
                    "--mac", SWITCH_MAC, "--route0", f"10.0.0.0/24,{WORKER_MAC}",
@@ -483,22 +488,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rto", type=float, default=10.0, help="RTO (ms) of the baselines")
     ap.add_argument("--bands", type=int, default=6,
                     help="DLCP data bands; 6 keeps queue 0 for best-effort (background) traffic")
-    ap.add_argument("--report-ms", type=float, default=20.0,
+    ap.add_argument("--report-ms", type=float, default=10.0,
                     help="receiver rate-report period; the paper's 200 us is under half a "
-                         "packet time at this bottleneck, so it is scaled up to cover ~10 "
-                         "packets of a 4-way fair share (fewer make the measured rate noisy)")
+                         "packet time at this bottleneck, so it is scaled up to 20 packets of "
+                         "the bottleneck (shorter windows make the measured rate noisy)")
     ap.add_argument("--drain-ms", type=float, default=20.0,
                     help="receiver's fallback wait for queued data after STOP (marker lost)")
     ap.add_argument("--delta", type=float, default=2.0,
                     help="DLCP rate control: congested when send > delta * receive rate")
-    ap.add_argument("--keep-rate-on-retx", action="store_true",
-                    help="DLCP: do not reset to line rate for a retransmission round")
-    ap.add_argument("--ce-threshold", type=float, default=None,
+    ap.add_argument("--reset-rate-on-retx", action="store_true",
+                    help="DLCP: back to line rate for a retransmission round (the paper; off: a "
+                         "line-rate burst of resends into the incast is what loses them again)")
+    ap.add_argument("--ai", type=float, default=0.05,
+                    help="DLCP rate control: additive increase per report, a fraction of the link")
+    ap.add_argument("--ce-threshold", type=float, default=0.1,
                     help="DLCP rate control's ECN echo: a report with more CE-marked arrivals "
-                         "than this share counts as congested (off by default)")
-    ap.add_argument("--retx-extra", type=float, default=None,
+                         "than this share counts as congested (negative: off, the paper)")
+    ap.add_argument("--retx-extra", type=float, default=0.25,
                     help="DLCP: resend only a tensor's deficit times (1 + this) of the missing "
-                         "segments a STATUS lists (default: all of them, as the paper)")
+                         "segments a STATUS lists (negative: all of them, as the paper)")
     ap.add_argument("--e1-margin", type=float, default=0.1,
                     help="E1's small margin over the ideal iteration time (a fraction)")
     ap.add_argument("--json", help="write the summary here")
@@ -571,8 +579,8 @@ def main(argv=None) -> int:
     if args.json:
         summary = {"config": {k: v for k, v in vars(args).items() if k in (
             "workers", "iterations", "period", "scale", "rate", "bg_fraction", "p", "p_pull", "rto",
-            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta", "ce_threshold", "retx_extra",
-            "keep_rate_on_retx")},
+            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta", "ai", "ce_threshold", "retx_extra",
+            "reset_rate_on_retx")},
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "tct_all_ms"}
                         for k, v in results.items()}}
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -748,7 +748,8 @@ class DlcpSender:
     again and again while the queue stays above its threshold (our extension).
     The rate controller lives as long as the sender: tensors and iterations carry its
     rate over. reset_on_retx: line rate again for a retransmission round (the paper).
-    rate_delta, ce_threshold: the controller's Δ and its optional ECN echo (ratecontrol).
+    rate_delta, rate_ai, ce_threshold: the controller's Δ, additive increase (a fraction of
+    the link per report) and its optional ECN echo (ratecontrol); None keeps the defaults.
     retx_extra: None resends every segment a STATUS lists (the paper); a number resends
     only the tensor's deficit (need - received) times (1 + retx_extra) of them, in send
     order, since the bound needs no more (our option; the resends are ECT, so only a full
@@ -763,7 +764,7 @@ class DlcpSender:
                  start_delay_s: float = 0.0, retx_important: bool = True,
                  reset_on_retx: bool = True, batched: bool | None = None,
                  rate_delta: float | None = None, ce_threshold: float | None = None,
-                 retx_extra: float | None = None) -> None:
+                 retx_extra: float | None = None, rate_ai: float | None = None) -> None:
         if not 1 <= values_per_segment <= MAX_VALUES_PER_SEGMENT:
             raise ValueError(f"values_per_segment must be in 1..{MAX_VALUES_PER_SEGMENT}")
         if recovery not in ("dlcp", "timer"):
@@ -789,8 +790,8 @@ class DlcpSender:
         self.retx_extra = retx_extra
         self.rc = None
         if link_bps:
-            self.rc = RateController(link_bps, ce_threshold=ce_threshold,
-                                     **({} if rate_delta is None else {"delta": rate_delta}))
+            tuned = {k: v for k, v in (("delta", rate_delta), ("ai_fraction", rate_ai)) if v is not None}
+            self.rc = RateController(link_bps, ce_threshold=ce_threshold, **tuned)
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         udp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         if source_ip:

@@ -439,3 +439,20 @@ def test_datagram_core_reports_each_datagrams_tos(batched):
     time.sleep(0.05)
     assert rx.receive() == 2 and rx.rx_tos[:2].tolist() == [0x88, 0x88]   # setsockopt path
     rx_sock.close(), tx_sock.close()
+
+
+def test_deficit_only_resends_meet_the_bound(receiver):
+    """retx_extra: a STATUS lists every missing segment, the sender resends only what the
+    bound needs (plus the margin), and the tensor still completes within its bound."""
+    x = grad(35_000, 30)                                 # 100 segments, p = 0.1 -> need 90
+    lost_first = lambda tid, off, length, seq, flags: (off // 350) % 4 == 0 and not flags & FLAG_RETX
+    with LossyRelay(receiver.udp_addr, lost_first) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=None, bounds=LossBounds(0.1, 0.1),
+                       retx_extra=0.0) as s:
+        st = s.send_tensor(900, x)
+        res = receiver.wait(900, 5)
+    assert len(st.retx_lists[0]) == 25                   # all 25 lost segments listed ...
+    assert st.retransmitted == 90 - 75                   # ... 15 resent: exactly the deficit
+    assert res.received.sum() == 90 and res.delivered_fraction >= 0.9
+    with pytest.raises(ValueError, match="retx_extra"):
+        DlcpSender(receiver.udp_addr, receiver.tcp_addr, retx_extra=-1)
