@@ -239,7 +239,8 @@ def run_worker(args) -> None:
                             timeout_s=120, reset_on_retx=args.reset_rate_on_retx,
                             rate_delta=args.delta, rate_ai=args.ai,
                             ce_threshold=args.ce_threshold if args.ce_threshold >= 0 else None,
-                            retx_extra=args.retx_extra if args.retx_extra >= 0 else None)
+                            retx_extra=args.retx_extra if args.retx_extra >= 0 else None,
+                            pace_burst_s=args.pace_burst_ms / 1000)
     for it in range(args.iterations):
         _sleep_until(args.t0 + it * args.period)
         order = list(reversed(range(len(sizes))))     # backprop order: last layer first
@@ -292,7 +293,7 @@ def run_scheme(scheme: str, args, tmp: Path) -> dict:
               "--p", str(args.p), "--rto", str(args.rto), "--bands", str(args.bands),
               "--report-ms", str(args.report_ms), "--drain-ms", str(args.drain_ms),
               "--delta", str(args.delta), "--ai", str(args.ai), "--retx-extra", str(args.retx_extra),
-              "--ce-threshold", str(args.ce_threshold)] + (["--reset-rate-on-retx"] if args.reset_rate_on_retx else [])
+              "--ce-threshold", str(args.ce_threshold), "--pace-burst-ms", str(args.pace_burst_ms)] + (["--reset-rate-on-retx"] if args.reset_rate_on_retx else [])
     sw_out = tmp / f"{scheme}-switch.json"
     switch = in_ns(NS_SWITCH, "host.dlcp.switchbox", "--if0", "sw0", "--if1", "sw1",
                    "--mac", SWITCH_MAC, "--route0", f"10.0.0.0/24,{WORKER_MAC}",
@@ -507,6 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--retx-extra", type=float, default=0.25,
                     help="DLCP: resend only a tensor's deficit times (1 + this) of the missing "
                          "segments a STATUS lists (negative: all of them, as the paper)")
+    ap.add_argument("--pace-burst-ms", type=float, default=2.0,
+                    help="DLCP pacer: how much sending time a sender that fell behind may catch up")
     ap.add_argument("--e1-margin", type=float, default=0.1,
                     help="E1's small margin over the ideal iteration time (a fraction)")
     ap.add_argument("--json", help="write the summary here")
@@ -579,7 +582,7 @@ def main(argv=None) -> int:
     if args.json:
         summary = {"config": {k: v for k, v in vars(args).items() if k in (
             "workers", "iterations", "period", "scale", "rate", "bg_fraction", "p", "p_pull", "rto",
-            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta", "ai", "ce_threshold", "retx_extra",
+            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta", "ai", "ce_threshold", "retx_extra", "pace_burst_ms",
             "reset_rate_on_retx")},
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "tct_all_ms"}
                         for k, v in results.items()}}

@@ -750,6 +750,8 @@ class DlcpSender:
     rate over. reset_on_retx: line rate again for a retransmission round (the paper).
     rate_delta, rate_ai, ce_threshold: the controller's Δ, additive increase (a fraction of
     the link per report) and its optional ECN echo (ratecontrol); None keeps the defaults.
+    pace_burst_s: how far the pacer may catch up after falling behind (a sender that was
+    descheduled sends that much of its rate at once, no more).
     retx_extra: None resends every segment a STATUS lists (the paper); a number resends
     only the tensor's deficit (need - received) times (1 + retx_extra) of them, in send
     order, since the bound needs no more (our option; the resends are ECT, so only a full
@@ -764,7 +766,8 @@ class DlcpSender:
                  start_delay_s: float = 0.0, retx_important: bool = True,
                  reset_on_retx: bool = True, batched: bool | None = None,
                  rate_delta: float | None = None, ce_threshold: float | None = None,
-                 retx_extra: float | None = None, rate_ai: float | None = None) -> None:
+                 retx_extra: float | None = None, rate_ai: float | None = None,
+                 pace_burst_s: float = 0.002) -> None:
         if not 1 <= values_per_segment <= MAX_VALUES_PER_SEGMENT:
             raise ValueError(f"values_per_segment must be in 1..{MAX_VALUES_PER_SEGMENT}")
         if recovery not in ("dlcp", "timer"):
@@ -788,6 +791,9 @@ class DlcpSender:
         if retx_extra is not None and retx_extra < 0:
             raise ValueError("retx_extra must be >= 0 (or None to resend every missing segment)")
         self.retx_extra = retx_extra
+        if pace_burst_s < 0:
+            raise ValueError("pace_burst_s must be >= 0")
+        self.pace_burst_s = pace_burst_s
         self.rc = None
         if link_bps:
             tuned = {k: v for k, v in (("delta", rate_delta), ("ai_fraction", rate_ai)) if v is not None}
@@ -1013,7 +1019,7 @@ class _IterationTransfer:
         if rc is None:
             return len(candidates)
         now = time.monotonic()
-        self.next_t = max(self.next_t, now - 0.002)
+        self.next_t = max(self.next_t, now - self.s.pace_burst_s)
         start = self.next_t + np.concatenate(
             [[0.0], np.cumsum(self.row_wire_bits[candidates[:-1]])]) / rc.rate_bps
         k = int(np.searchsorted(start, now + 0.0005, side="right"))
