@@ -262,7 +262,9 @@ def run_worker(args) -> None:
             records.append([args.worker, it, layer, st.first_sent, st.packets_sent, st.retransmitted])
             for tos, sends in zip(st.tos.tolist(), st.sends.tolist()):
                 tos_sent[tos] = tos_sent.get(tos, 0) + sends
+    rate_log = [] if args.scheme == "tcp" else sender.rate_log
     Path(args.out).write_text(json.dumps({"records": records, "iterations": iterations,
+                                          "rate_log": rate_log,
                                           "tos_sent": {str(k): v for k, v in tos_sent.items()}}))
 
 

@@ -794,6 +794,7 @@ class DlcpSender:
         if pace_burst_s < 0:
             raise ValueError("pace_burst_s must be >= 0")
         self.pace_burst_s = pace_burst_s
+        self.rate_log: list[tuple[float, float, float, float, float]] = []   # see _on_rate
         self.rc = None
         if link_bps:
             tuned = {k: v for k, v in (("delta", rate_delta), ("ai_fraction", rate_ai)) if v is not None}
@@ -1080,6 +1081,8 @@ class _IterationTransfer:
         send_bps = self.sent_bits_window / elapsed
         self.sent_bits_window, self.window_start = 0, now
         rc.on_report(send_bps, recv_bps, ce_fraction)
+        # (time, send, receive, CE share, new rate): the controller's trace, for evaluations
+        self.s.rate_log.append((now, send_bps, recv_bps, ce_fraction, rc.rate_bps))
 
     def _wait(self, until: float, until_status: bool = False) -> None:
         """Process control messages until STATUS (done, or with requests) or the time `until`."""
