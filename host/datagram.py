@@ -20,7 +20,8 @@ worker's exchange time. This module moves many per syscall and has no per-packet
     switch's af_packet port) the kernel hands the super-datagram over uncut unless the
     sending end cuts it (ethtool -K DEV tx-udp-segmentation off), which a sender cannot
     see; and with 8192-value packets it measured no faster (docs/perf.md);
-  - recvmmsg(2) into the receive rows, without blocking.
+  - recvmmsg(2) into the receive rows, without blocking; with rx_tos=True each
+    datagram's ToS byte too (IP_RECVTOS: one IP_TOS control message per datagram).
   Off Linux/glibc, or with THC_NO_MMSG=1, the same happens with loops of
   send/sendmsg/recv_into (`batched=False`).
 
@@ -65,6 +66,9 @@ MSG_DONTWAIT = 0x40
 SOL_UDP = 17
 UDP_SEGMENT = 103
 IP_MTU = 14
+IP_RECVTOS = getattr(socket, "IP_RECVTOS", 13)
+MSG_TRUNC = 0x20
+CMSG_LEN_BYTE = 17                     # CMSG_LEN(1): the received IP_TOS carries one byte
 GSO_MAX_SEGMENTS = 64                  # UDP_MAX_SEGMENTS of kernels before 6.x (later: 128)
 GSO_MAX_BYTES = 65507 - 8              # one IPv4 UDP datagram's payload, less some slack
 SOCKET_BUFFER_BYTES = 8 << 20          # room for a full window of datagrams in the kernel
@@ -210,7 +214,7 @@ class DatagramSocket:
     """
 
     def __init__(self, sock: socket.socket, *, rx_rows: int, rx_width: int,
-                 batched: bool | None = None, gso: bool | None = None):
+                 batched: bool | None = None, gso: bool | None = None, rx_tos: bool = False):
         self.sock = sock
         self.sock.setblocking(False)
         self.batched = mmsg_available() if batched is None else bool(batched)
@@ -226,6 +230,15 @@ class DatagramSocket:
         self._rx_views = [memoryview(row) for row in self.rx]
         self._rx_msgs = MessageArray(row_pointers(self.rx), np.full(rx_rows, rx_width),
                                      keep=self.rx)
+        self.rx_tos = np.zeros(rx_rows, np.uint8)
+        self.rx_truncated = 0            # datagrams longer than rx_width (cut, and so marked)
+        self._rx_control = None
+        if rx_tos:
+            self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVTOS, 1)
+            self._rx_control = np.zeros(rx_rows, CONTROL_DTYPE)
+            self._rx_msgs.msgs["control"] = self._rx_control.ctypes.data + \
+                np.arange(rx_rows, dtype=np.uint64) * np.uint64(CONTROL_DTYPE.itemsize)
+            self._rx_msgs.msgs["controllen"] = CONTROL_DTYPE.itemsize
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -321,29 +334,49 @@ class DatagramSocket:
 
     def receive(self) -> int:
         """Drain what is waiting (without blocking) into self.rx; how many datagrams.
-        Their lengths are self.rx_len[:n]."""
+        Their lengths are self.rx_len[:n] (and ToS bytes self.rx_tos[:n] with rx_tos)."""
         if self.batched:
             self.recv_calls += 1
-            n = _LIBC[1](self.sock.fileno(), self._rx_msgs.msgs.ctypes.data, len(self.rx),
+            msgs = self._rx_msgs.msgs
+            n = _LIBC[1](self.sock.fileno(), msgs.ctypes.data, len(self.rx),
                          MSG_DONTWAIT, None)
             if n < 0:
                 err = ctypes.get_errno()
                 if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
                     return 0
                 raise _os_error(err)
-            self.rx_len[:n] = self._rx_msgs.msgs["msg_len"][:n]
+            self.rx_len[:n] = msgs["msg_len"][:n]
+            self.rx_truncated += int(np.count_nonzero(msgs["flags"][:n] & MSG_TRUNC))
+            if self._rx_control is not None:
+                self._read_tos(n)
             return n
         n = 0
+        cmsg_space = socket.CMSG_SPACE(4)
         while n < len(self.rx):
             try:
                 self.recv_calls += 1
-                self.rx_len[n] = self.sock.recv_into(self._rx_views[n])
+                if self._rx_control is None:
+                    self.rx_len[n] = self.sock.recv_into(self._rx_views[n])
+                else:
+                    self.rx_len[n], anc, _, _ = self.sock.recvmsg_into([self._rx_views[n]],
+                                                                       cmsg_space)
+                    self.rx_tos[n] = anc[0][2][0] if anc and anc[0][2] else 0
             except BlockingIOError:
                 break
             except InterruptedError:
                 continue
             n += 1
         return n
+
+    def _read_tos(self, n: int) -> None:
+        """The ToS byte of each of the n datagrams just received (0 where the kernel gave
+        none), then room for the next call's control messages (the kernel shrinks it)."""
+        msgs, ctl = self._rx_msgs.msgs, self._rx_control[:n]
+        has = (msgs["controllen"][:n] >= CMSG_LEN_BYTE) & (ctl["level0"] == socket.IPPROTO_IP) \
+            & (ctl["type0"] == socket.IP_TOS)
+        first_byte = ctl.view(np.uint8).reshape(n, CONTROL_DTYPE.itemsize)[:, 16]
+        self.rx_tos[:n] = np.where(has, first_byte, 0)
+        msgs["controllen"][:n] = CONTROL_DTYPE.itemsize
 
     def wait_readable(self, timeout: float | None, also: int | None = None) -> bool:
         """Wait until a datagram is waiting (or `also`, another fd, is readable); None

@@ -9,17 +9,22 @@ DLCP egress stage (docs/protocol.md §6) on AF_PACKET sockets, with the PS-facin
 rate-limited (the incast bottleneck). This kernel has no prio/RED qdiscs, so the model
 is the switch. Every scheme crosses the same switch:
 
-* ``dlcp``: the bounded-loss transport, DlcpPolicy marks (band DSCP + ECT/Not-ECT).
+* ``dlcp``: the bounded-loss transport, DlcpPolicy marks (band DSCP + ECT/Not-ECT), one
+  ANNOUNCE and one END/STATUS exchange per iteration, the rate controller carried across
+  tensors and iterations (with its ECN echo), deficit-only resends.
 * ``udp_timer``: the same UDP data path with p = 0, no marks (DSCP 0), no rate control,
-  and timeout-driven recovery (wait ``rto`` for FIN, then ask for the missing segments).
-* ``tcp``: kernel TCP (one connection per worker, DSCP 0), route ``rto_min`` = ``rto``.
+  and timeout-driven recovery (wait ``rto`` for STATUS(done), then ask for the missing).
+* ``tcp``: kernel TCP (one connection per worker, DSCP 0), route ``rto_min`` = ``rto``;
+  one tensor after the other, each acknowledged by the PS.
 
 Background: a constant-rate UDP flow (DSCP 0 -> queue 0) from the worker namespace to the
 PS. DLCP uses 6 data bands by default (queues 6..1) so that best-effort traffic has queue 0
 to itself; with all 7 bands the back layers would share queue 0 with the background.
 Each iteration every worker sends all 54 ResNet-50 layer tensors (sizes scaled down by
-``--scale``) back to front, one after the other; iterations start on a shared clock, so
-the workers' tensors meet at the bottleneck (incast).
+``--scale``) back to front; iterations start on a shared clock, so the workers' tensors
+meet at the bottleneck (incast). A tensor's completion time runs from its first byte
+sent to the receiver having it (TCP: to the PS's ack; DLCP: to the receiver reaching the
+tensor's bound); push time is the wall time of a worker's whole iteration.
 
 Usage: ``python -m host.dlcp.evaluate --json results.json`` (plots go to docs/img/).
 """
@@ -149,7 +154,7 @@ def run_ps(args) -> None:
                         res = rx.wait(tensor_id(w, it, layer), timeout=120)
                         out["tensors"].append([w, it, layer, res.delivered_fraction,
                                                res.received_at_fin / res.received.size,
-                                               res.retx_requests, res.duplicates])
+                                               res.retx_requests, res.duplicates, res.fin_time])
             time.sleep(0.5)                # late datagrams still count in tos_counts
             out["tos_counts"] = {str(k): v for k, v in rx.tos_counts.items()}
             out["early_drops"] = rx.early_drops
@@ -208,12 +213,19 @@ def _recv_exact(conn, n):
 
 
 def run_worker(args) -> None:
-    """One worker: every iteration, all layers back to front, each as one tensor transfer."""
+    """One worker: every iteration, all layers back to front (backprop order).
+
+    TCP sends one tensor after the other, each answered by a 1-byte ack. The UDP schemes
+    hand the whole iteration to the transport (one ANNOUNCE, the data of every layer back
+    to back, one END/STATUS exchange); a tensor's completion is then measured from its
+    first datagram to the receiver's time of reaching the bound (one monotonic clock: the
+    namespaces share the host's).
+    """
     from host.dlcp.marking import DlcpPolicy
-    from host.dlcp.transport import DlcpSender, LossBounds
+    from host.dlcp.transport import DlcpSender, LossBounds, TensorToSend
     sizes = scaled_sizes(args.scale)
     link_bps = args.rate * FRAME_BYTES * 8           # host links as fast as the bottleneck
-    records, tos_sent = [], {}
+    records, iterations, tos_sent = [], [], {}
     if args.scheme == "tcp":
         conn = socket.create_connection((PS_IP, CTRL_PORT), timeout=30)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -224,24 +236,35 @@ def run_worker(args) -> None:
                             policy=DlcpPolicy(num_bands=args.bands, seed=args.worker) if dlcp else None,
                             seed=args.worker, rate_control=dlcp,
                             recovery="dlcp" if dlcp else "timer", rto_s=args.rto / 1000,
-                            timeout_s=120, rate_scope=args.rate_scope,
-                            reset_on_retx=not args.keep_rate_on_retx)
+                            timeout_s=120, reset_on_retx=args.reset_rate_on_retx,
+                            rate_delta=args.delta, rate_ai=args.ai,
+                            ce_threshold=args.ce_threshold if args.ce_threshold >= 0 else None,
+                            retx_extra=args.retx_extra if args.retx_extra >= 0 else None,
+                            pace_burst_s=args.pace_burst_ms / 1000)
     for it in range(args.iterations):
         _sleep_until(args.t0 + it * args.period)
-        for layer in reversed(range(len(sizes))):     # backprop order: last layer first
-            g = layer_gradient(args.worker, it, layer, sizes[layer])
-            tid = tensor_id(args.worker, it, layer)
-            if args.scheme == "tcp":
-                t = time.monotonic()
-                conn.sendall(struct.pack("!II", tid, g.nbytes) + g.tobytes())
+        order = list(reversed(range(len(sizes))))     # backprop order: last layer first
+        grads = {layer: layer_gradient(args.worker, it, layer, sizes[layer]) for layer in order}
+        start = time.monotonic()
+        if args.scheme == "tcp":
+            for layer in order:
+                g, t = grads[layer], time.monotonic()
+                conn.sendall(struct.pack("!II", tensor_id(args.worker, it, layer), g.nbytes) + g.tobytes())
                 _recv_exact(conn, 1)
                 records.append([args.worker, it, layer, time.monotonic() - t, 0, 0])
-                continue
-            st = sender.send_tensor(tid, g, layer=layer, num_layers=len(sizes), iteration=it)
-            records.append([args.worker, it, layer, st.completion_s, st.packets_sent, st.retransmitted])
+            iterations.append([args.worker, it, time.monotonic() - start])
+            continue
+        stats = sender.send_iteration(
+            [TensorToSend(tensor_id(args.worker, it, layer), grads[layer], layer) for layer in order],
+            num_layers=len(sizes), iteration=it)
+        iterations.append([args.worker, it, stats[0].completion_s])
+        for layer, st in zip(order, stats):
+            records.append([args.worker, it, layer, st.first_sent, st.packets_sent, st.retransmitted])
             for tos, sends in zip(st.tos.tolist(), st.sends.tolist()):
                 tos_sent[tos] = tos_sent.get(tos, 0) + sends
-    Path(args.out).write_text(json.dumps({"records": records,
+    rate_log = [] if args.scheme == "tcp" else sender.rate_log
+    Path(args.out).write_text(json.dumps({"records": records, "iterations": iterations,
+                                          "rate_log": rate_log,
                                           "tos_sent": {str(k): v for k, v in tos_sent.items()}}))
 
 
@@ -271,7 +294,8 @@ def run_scheme(scheme: str, args, tmp: Path) -> dict:
               "--iterations", str(args.iterations), "--rate", str(args.rate),
               "--p", str(args.p), "--rto", str(args.rto), "--bands", str(args.bands),
               "--report-ms", str(args.report_ms), "--drain-ms", str(args.drain_ms),
-              "--rate-scope", args.rate_scope] + (["--keep-rate-on-retx"] if args.keep_rate_on_retx else [])
+              "--delta", str(args.delta), "--ai", str(args.ai), "--retx-extra", str(args.retx_extra),
+              "--ce-threshold", str(args.ce_threshold), "--pace-burst-ms", str(args.pace_burst_ms)] + (["--reset-rate-on-retx"] if args.reset_rate_on_retx else [])
     sw_out = tmp / f"{scheme}-switch.json"
     switch = in_ns(NS_SWITCH, "host.dlcp.switchbox", "--if0", "sw0", "--if1", "sw1",
                    "--mac", SWITCH_MAC, "--route0", f"10.0.0.0/24,{WORKER_MAC}",
@@ -318,8 +342,14 @@ def _wait_file(path: Path, timeout: float) -> None:
 
 def summarize(scheme: str, raw: dict, args) -> dict:
     recs = np.array([r for w in raw["workers"] for r in w["records"]], dtype=float)
-    tct = recs[:, 3] * 1e3
     ps = np.array(raw["ps"]["tensors"], dtype=float)
+    if scheme != "tcp":
+        # completion = the receiver reaching the bound - the tensor's first datagram
+        fin = {(int(w), int(it), int(layer)): t for w, it, layer, *_, t in ps}
+        recs[:, 3] = [fin[(int(w), int(it), int(layer))] - first
+                      for w, it, layer, first in recs[:, :4]]
+    tct = recs[:, 3] * 1e3
+    push = np.array([r[2] for w in raw["workers"] for r in w["iterations"]]) * 1e3
     out = {"scheme": scheme, "tensors": len(tct),
            "tct_ms": {"mean": float(tct.mean()), "p50": float(np.percentile(tct, 50)),
                       "p99": float(np.percentile(tct, 99)), "max": float(tct.max())},
@@ -329,7 +359,8 @@ def summarize(scheme: str, raw: dict, args) -> dict:
            "background_received": raw["ps"]["background_received"],
            "switch": raw["switch"], "tct_all_ms": tct.tolist(),
            "tct_by_band_ms": tct_by_band(recs, args.bands),
-           "push_time_ms": push_times(recs)}
+           "push_time_ms": {"mean": float(push.mean()), "max": float(push.max())},
+           "ideal_iteration_ms": ideal_iteration_ms(args)}
     if scheme != "tcp":
         sent_pkts = recs[:, 4].sum()
         out["packets_sent"] = int(sent_pkts)
@@ -337,6 +368,13 @@ def summarize(scheme: str, raw: dict, args) -> dict:
         out["retransmitted"] = int(recs[:, 5].sum())
         out.update(band_losses(raw))
     return out
+
+
+def ideal_iteration_ms(args) -> float:
+    """Every worker's whole iteration through the bottleneck at its full rate (E1's bound)."""
+    from host.dlcp.transport import VALUES_PER_SEGMENT, segment_count
+    per_worker = sum(segment_count(s, VALUES_PER_SEGMENT) for s in scaled_sizes(args.scale))
+    return 1e3 * args.workers * per_worker / args.rate
 
 
 def tct_by_band(recs: np.ndarray, bands: int) -> dict:
@@ -348,15 +386,6 @@ def tct_by_band(recs: np.ndarray, bands: int) -> dict:
         t = recs[band == b, 3] * 1e3
         out[str(b)] = {"p50": float(np.percentile(t, 50)), "p99": float(np.percentile(t, 99))}
     return out
-
-
-def push_times(recs: np.ndarray) -> dict:
-    """Per (worker, iteration): the time to push all 54 tensors; mean and max over them."""
-    sums = {}
-    for w, it, _, t in recs[:, :4]:
-        sums[(w, it)] = sums.get((w, it), 0.0) + t
-    v = np.array(list(sums.values())) * 1e3
-    return {"mean": float(v.mean()), "max": float(v.max())}
 
 
 def band_losses(raw: dict) -> dict:
@@ -462,16 +491,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rto", type=float, default=10.0, help="RTO (ms) of the baselines")
     ap.add_argument("--bands", type=int, default=6,
                     help="DLCP data bands; 6 keeps queue 0 for best-effort (background) traffic")
-    ap.add_argument("--report-ms", type=float, default=20.0,
+    ap.add_argument("--report-ms", type=float, default=10.0,
                     help="receiver rate-report period; the paper's 200 us is under half a "
-                         "packet time at this bottleneck, so it is scaled up to cover ~10 "
-                         "packets of a 4-way fair share (fewer make the measured rate noisy)")
+                         "packet time at this bottleneck, so it is scaled up to 20 packets of "
+                         "the bottleneck (shorter windows make the measured rate noisy)")
     ap.add_argument("--drain-ms", type=float, default=20.0,
                     help="receiver's fallback wait for queued data after STOP (marker lost)")
-    ap.add_argument("--rate-scope", choices=("tensor", "connection"), default="tensor",
-                    help="DLCP rate state per tensor (paper) or carried across tensors")
-    ap.add_argument("--keep-rate-on-retx", action="store_true",
-                    help="DLCP: do not reset to line rate for a retransmission round")
+    ap.add_argument("--delta", type=float, default=2.0,
+                    help="DLCP rate control: congested when send > delta * receive rate")
+    ap.add_argument("--reset-rate-on-retx", action="store_true",
+                    help="DLCP: back to line rate for a retransmission round (the paper; off: a "
+                         "line-rate burst of resends into the incast is what loses them again)")
+    ap.add_argument("--ai", type=float, default=0.05,
+                    help="DLCP rate control: additive increase per report, a fraction of the link")
+    ap.add_argument("--ce-threshold", type=float, default=0.1,
+                    help="DLCP rate control's ECN echo: a report with more CE-marked arrivals "
+                         "than this share counts as congested (negative: off, the paper)")
+    ap.add_argument("--retx-extra", type=float, default=0.25,
+                    help="DLCP: resend only a tensor's deficit times (1 + this) of the missing "
+                         "segments a STATUS lists (negative: all of them, as the paper)")
+    ap.add_argument("--pace-burst-ms", type=float, default=2.0,
+                    help="DLCP pacer: how much sending time a sender that fell behind may catch up")
+    ap.add_argument("--e1-margin", type=float, default=0.1,
+                    help="E1's small margin over the ideal iteration time (a fraction)")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--img-dir", default="docs/img")
     ap.add_argument("--raw-dir", help="keep the per-process outputs here")
@@ -532,14 +574,18 @@ def main(argv=None) -> int:
         d = results["dlcp"]
         e2 = d["min_delivered_fraction"] >= 1 - args.p - 1e-9
         print(f"E2 (every tensor delivered >= 1-p = {1 - args.p:.2f}): {'holds' if e2 else 'VIOLATED'}")
+        ideal = d["ideal_iteration_ms"]
+        worst = max(b["p99"] for b in d["tct_by_band_ms"].values())
+        print(f"E1 (every band's p99 <= the ideal iteration {ideal:.0f} ms + {args.e1_margin:.0%}): "
+              f"{'holds' if worst <= ideal * (1 + args.e1_margin) else 'VIOLATED'} (worst band p99 {worst:.0f} ms)")
         print(f"E3: important share sent {d['important_share_sent']:.3f}, "
               f"dropped {d['important_share_dropped']:.3f}")
     print("plots:", ", ".join(paths))
     if args.json:
         summary = {"config": {k: v for k, v in vars(args).items() if k in (
             "workers", "iterations", "period", "scale", "rate", "bg_fraction", "p", "p_pull", "rto",
-            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "rate_scope",
-            "keep_rate_on_retx")},
+            "bands", "report_ms", "drain_ms", "capacity", "threshold", "d", "delta", "ai", "ce_threshold", "retx_extra", "pace_burst_ms",
+            "reset_rate_on_retx")},
             "results": {k: {kk: vv for kk, vv in v.items() if kk != "tct_all_ms"}
                         for k, v in results.items()}}
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -10,7 +10,12 @@ sender compares it with its own send rate over the same stretch:
   LINE_RATE_START at line rate.
 
 "Congested" is send > delta*recv in both states: the paper's CONG_AVOID sentence reads the
-other way round, which the digest identifies as a typo. The cap at line rate and the floor
+other way round, which the digest identifies as a typo. Optional ECN echo (our extension,
+off by default): with ce_threshold set, a report whose share of CE-marked arrivals is
+above it also counts as congested. The switch CE-marks ECT packets exactly where it starts
+dropping Not-ECT ones (occupancy above K), so the echo reacts to the queue before the
+receive rate has fallen, and keeps reacting under strict priority, where a sender's receive
+rate says little about how full its band's queue is. The cap at line rate and the floor
 (min_fraction of the link, so a burst of empty reports cannot stall a sender forever) are
 our choices; the paper states neither.
 """
@@ -35,6 +40,7 @@ class RateController:
     delta: float = DELTA
     ai_fraction: float = AI_FRACTION
     min_fraction: float = 0.01
+    ce_threshold: float | None = None
     state: RateState = field(default=RateState.LINE_RATE_START, init=False)
     rate_bps: float = field(default=0.0, init=False)
     halvings: int = field(default=0, init=False)
@@ -48,14 +54,19 @@ class RateController:
             raise ValueError(f"RateController: ai_fraction must be in (0, 1], got {self.ai_fraction}")
         if not 0 < self.min_fraction <= 1:
             raise ValueError(f"RateController: min_fraction must be in (0, 1], got {self.min_fraction}")
+        if self.ce_threshold is not None and not 0 <= self.ce_threshold < 1:
+            raise ValueError(f"RateController: ce_threshold must be in [0, 1), got {self.ce_threshold}")
         self.rate_bps = float(self.link_bps)
 
-    def congested(self, send_bps: float, recv_bps: float) -> bool:
+    def congested(self, send_bps: float, recv_bps: float, ce_fraction: float = 0.0) -> bool:
+        if self.ce_threshold is not None and ce_fraction > self.ce_threshold:
+            return True
         return send_bps > self.delta * recv_bps
 
-    def on_report(self, send_bps: float, recv_bps: float) -> float:
-        """Apply one receiver rate report; returns the new sending rate."""
-        if self.congested(send_bps, recv_bps):
+    def on_report(self, send_bps: float, recv_bps: float, ce_fraction: float = 0.0) -> float:
+        """Apply one receiver rate report (ce_fraction: the share of its arrivals that were
+        CE-marked, used only with ce_threshold); returns the new sending rate."""
+        if self.congested(send_bps, recv_bps, ce_fraction):
             self.rate_bps = max(self.rate_bps / 2, self.min_fraction * self.link_bps)
             self.state = RateState.CONG_AVOID
             self.halvings += 1

@@ -2,38 +2,47 @@
 
 Two channels between a sender and a receiver:
 
-* **Data: UDP.** Every datagram is a 16-byte DLCP header followed by big-endian fp32
-  values. A tensor is cut into consecutive segments of ``values_per_segment`` values (no
-  value spans two datagrams); the header says where a segment goes, so arrival order
-  does not matter. Each datagram carries its own DSCP/ECN (``IP_TOS`` control message)
-  chosen by the marking policy.
-* **Control: TCP**, sent with the control DSCP (48, queue 7). Messages START, FIN,
-  FIN_CONFIRM, STOP, RETX_REQ, RATE_REPORT, ERROR, framed as ``type u8 | length u32 | body``.
+* **Data: UDP**, on the batched datagram core (:mod:`host.datagram`: sendmmsg/recvmmsg,
+  a ToS byte per datagram as an ``IP_TOS`` control message). Every datagram is a 16-byte
+  DLCP header followed by big-endian fp32 values. A tensor is cut into consecutive
+  segments of ``values_per_segment`` values (no value spans two datagrams); the header
+  says where a segment goes, so arrival order does not matter. The ToS byte (band DSCP,
+  ECT/Not-ECT) comes from the marking policy.
+* **Control: TCP**, sent with the control DSCP (48, queue 7), framed as
+  ``type u8 | length u32 | body``: ANNOUNCE, END, STATUS, RATE_REPORT, ERROR.
 
-Protocol (per tensor):
+Protocol: the unit of control is an **iteration** (a batch of tensors, e.g. every
+gradient of one training step), named by its key = the first tensor's id.
 
-1. Zero-RTT start: the sender sends START(tensor, size, p) and immediately starts sending
-   data. Data that reaches the receiver before START is dropped and counted
-   (``early_drops``); it counts as lost, which the bound and the retransmission cover.
-2. The receiver copies each segment into place and sends FIN at the first arrival at
-   which ``received >= ceil((1-p) * num_segments)``. The sender stops sending on FIN,
-   answers FIN_CONFIRM and the receiver delivers the tensor.
-3. When the sender runs out of segments without a FIN it sends STOP. A receiver still
-   below the bound answers RETX_REQ(list of missing segments) and the sender sends just
-   those (rate reset to line rate). There is no timer-driven data retransmission
+1. Zero-RTT start: the sender sends one ANNOUNCE listing every tensor of the iteration
+   (id, size, segments, p, stage) and at once starts sending the data of all of them,
+   back to back, paced by one rate controller that lives as long as the sender. Data
+   that reaches the receiver before ANNOUNCE is dropped and counted (``early_drops``);
+   it counts as lost, which the bound and the end exchange cover.
+2. The receiver copies each segment into place. A tensor is complete at the first
+   arrival at which ``received >= ceil((1-p) * num_segments)`` (its completion time is
+   recorded). When every tensor of the iteration is complete the receiver sends
+   STATUS(done) at once; the sender stops sending (the FIN cut, per iteration) and the
+   receiver delivers the tensors.
+3. When the sender runs out of data first it sends END (the paper's STOP). Once the
+   round's data has drained, the receiver answers with one STATUS that lists, for every
+   tensor still below its bound, the segments it is missing; the sender resends exactly
+   those (ECT) and sends END again. There is no timer-driven data retransmission
    (``recovery="timer"`` exists only as the evaluation baseline).
 4. Segment order is a fresh seeded permutation per (tensor, iteration), so the tail that
-   FIN cuts off is not the same parameters every iteration.
-5. End of a round: after its last datagram the sender also sends an empty END_MARK
-   datagram in the same band (ECT, so only a full buffer drops it), then STOP on TCP.
-   STOP overtakes data still queued in the network (it rides the top queue); the marker
-   does not (same FIFO), so its arrival tells the receiver that everything sent before
-   it has arrived or was dropped. The receiver answers STOP with RETX_REQ when the marker
-   is in, when it has seen as many datagrams as the sender sent, or (marker lost) when
-   the tensor's data has been idle for ``stop_drain_s``. This is our extension: without
-   it a receiver requests segments that are merely queued behind higher bands.
-6. The receiver reports its receive rate every ``report_period_s`` (200 us); the sender
-   runs :class:`~host.dlcp.ratecontrol.RateController` on it and paces to its rate.
+   a cut or a loss takes is not the same parameters every iteration.
+5. End of a round: after its last datagram the sender sends an empty END_MARK datagram in
+   every band the round used (ECT, so only a full buffer drops it), then END on TCP.
+   END overtakes data still queued in the network (it rides the top queue); the markers
+   do not (same FIFO as their band), so when all of them are in, everything sent before
+   them has arrived or was dropped. The receiver answers END when the markers are in,
+   when it has seen as many datagrams as the sender sent, or (a marker lost) when the
+   iteration's data has been idle for ``stop_drain_s``, counting only idle time in which
+   nothing of the same or higher priority arrived (our extension: without it a receiver
+   requests segments that are merely queued behind higher bands).
+6. The receiver reports the iteration's receive rate every ``report_period_s``; the
+   sender runs :class:`~host.dlcp.ratecontrol.RateController` on it and paces to its
+   rate. The controller is not restarted per tensor or per iteration.
 
 Missing segments in a delivered tensor follow ``missing_policy``: ``"zero"`` leaves them
 0, ``"own"`` fills them with the receiver's own gradient for that tensor (the paper's
@@ -52,38 +61,49 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataplane.config import CONTROL_DSCP, DATA_DSCP_BASE, NUM_DATA_BANDS
+from host.datagram import SOCKET_BUFFER_BYTES, DatagramSocket, PacketRows
 from host.dlcp.marking import tos_byte
 from host.dlcp.ratecontrol import REPORT_PERIOD_S, RateController
 
 # --- wire format -------------------------------------------------------------------
 DATA_HEADER = struct.Struct("!IIHIBB")   # tensor_id, offset (values), length (values), seq, flags, reserved
 DATA_HEADER_LEN = DATA_HEADER.size       # 16
+HEADER_DTYPE = np.dtype([("tensor", ">u4"), ("offset", ">u4"), ("length", ">u2"),
+                         ("seq", ">u4"), ("flags", "u1"), ("reserved", "u1")])
 FLAG_RETX = 0x01
-FLAG_END_MARK = 0x02                     # in-band end-of-round marker (no payload), see below
+FLAG_END_MARK = 0x02     # end-of-round marker: tensor = iteration key, offset = markers in
+                         # the round, seq = datagrams sent so far, no payload
 VALUES_PER_SEGMENT = 350                 # 1400 B of fp32: one 1500-byte-MTU datagram
 MAX_VALUES_PER_SEGMENT = (65507 - DATA_HEADER_LEN) // 4
 WIRE_OVERHEAD = 14 + 20 + 8              # Ethernet + IPv4 + UDP, for pacing
+RX_ROWS = 64                             # datagrams per recvmmsg
+BATCH_MAX = 64                           # datagrams per sendmmsg
 
-MSG_START, MSG_FIN, MSG_FIN_CONFIRM, MSG_STOP, MSG_RETX_REQ, MSG_RATE, MSG_ERROR = range(1, 8)
+MSG_ANNOUNCE, MSG_END, MSG_STATUS, MSG_RATE, MSG_ERROR = range(1, 6)
 FRAME = struct.Struct("!BI")
-START_BODY = struct.Struct("!IIIHdB")    # tensor_id, num_values, num_segments, vps, p, stage
-FIN_BODY = struct.Struct("!II")          # tensor_id, segments received
-STOP_BODY = struct.Struct("!II")         # tensor_id, datagrams sent
-RATE_BODY = struct.Struct("!Idd")        # tensor_id, receive rate (bit/s), window (s)
+ANNOUNCE_HEAD = struct.Struct("!II")     # key, tensors
+TENSOR_ENTRY = struct.Struct("!IIIHdB")  # tensor_id, num_values, num_segments, vps, p, stage
+END_BODY = struct.Struct("!II")          # key, datagrams sent (all rounds)
+STATUS_HEAD = struct.Struct("!IBI")      # key, done, entries
+STATUS_ENTRY = struct.Struct("!III")     # tensor_id, received, missing listed (then u32 each)
+RATE_BODY = struct.Struct("!Iddd")       # key, receive rate (bit/s), window (s), CE share
 ID_BODY = struct.Struct("!I")
 STAGES = ("push", "pull")
 MISSING_POLICIES = ("zero", "own")
 CONTROL_TOS = tos_byte(CONTROL_DSCP, 0)
+ECT0 = 0b10
 
 
 class DlcpError(RuntimeError):
     """The peer refused a transfer or the control connection broke."""
 
 
-def priority_rank(dscp: int) -> int:
-    """0 for data band 0 (served first among data) ... 6 for band 6, 7 for anything else."""
-    band = dscp - DATA_DSCP_BASE
-    return band if 0 <= band < NUM_DATA_BANDS else NUM_DATA_BANDS
+def priority_rank(dscp):
+    """0 for data band 0 (served first among data) ... 6 for band 6, 7 for anything else
+    (works on a DSCP or an array of them)."""
+    band = np.asarray(dscp, np.int64) - DATA_DSCP_BASE
+    rank = np.where((band >= 0) & (band < NUM_DATA_BANDS), band, NUM_DATA_BANDS)
+    return int(rank) if rank.ndim == 0 else rank
 
 
 def frame(msg_type: int, body: bytes) -> bytes:
@@ -107,6 +127,52 @@ class FrameReader:
             out.append((msg_type, bytes(self.buf[FRAME.size:end])))
             del self.buf[:end]
         return out
+
+
+@dataclass(frozen=True)
+class TensorAnnouncement:
+    tensor_id: int
+    num_values: int
+    num_segments: int
+    vps: int
+    p: float
+    stage: int
+
+
+def announce_body(key: int, tensors: list[TensorAnnouncement]) -> bytes:
+    return ANNOUNCE_HEAD.pack(key, len(tensors)) + b"".join(
+        TENSOR_ENTRY.pack(t.tensor_id, t.num_values, t.num_segments, t.vps, t.p, t.stage)
+        for t in tensors)
+
+
+def parse_announce(body: bytes) -> tuple[int, list[TensorAnnouncement]]:
+    key, count = ANNOUNCE_HEAD.unpack_from(body, 0)
+    if len(body) != ANNOUNCE_HEAD.size + count * TENSOR_ENTRY.size:
+        raise struct.error("ANNOUNCE length disagrees with its tensor count")
+    return key, [TensorAnnouncement(*TENSOR_ENTRY.unpack_from(body, ANNOUNCE_HEAD.size + k * TENSOR_ENTRY.size))
+                 for k in range(count)]
+
+
+def status_body(key: int, done: bool, entries: list[tuple[int, int, np.ndarray]]) -> bytes:
+    parts = [STATUS_HEAD.pack(key, int(done), len(entries))]
+    for tid, received, missing in entries:
+        parts.append(STATUS_ENTRY.pack(tid, received, len(missing)))
+        parts.append(np.asarray(missing, ">u4").tobytes())
+    return b"".join(parts)
+
+
+def parse_status(body: bytes) -> tuple[int, bool, dict[int, tuple[int, np.ndarray]]]:
+    """key, done, {tensor_id: (segments received, missing segments asked for)}."""
+    key, done, count = STATUS_HEAD.unpack_from(body, 0)
+    pos, out = STATUS_HEAD.size, {}
+    for _ in range(count):
+        tid, received, nmiss = STATUS_ENTRY.unpack_from(body, pos)
+        pos += STATUS_ENTRY.size
+        if pos + 4 * nmiss > len(body):
+            raise struct.error("STATUS entry runs past the message")
+        out[tid] = (received, np.frombuffer(body, ">u4", nmiss, pos).astype(np.int64))
+        pos += 4 * nmiss
+    return key, bool(done), out
 
 
 def segment_count(num_values: int, values_per_segment: int) -> int:
@@ -199,13 +265,13 @@ class TransferResult:
     tensor_id: int
     values: np.ndarray
     received: np.ndarray          # bool per segment (arrived before delivery)
-    need: int                     # segments required for FIN
-    received_at_fin: int
+    need: int                     # segments required for completion
+    received_at_fin: int          # segments in when the tensor reached its bound
     p: float
     stage: str
-    start_time: float             # receiver clock when START arrived
-    fin_time: float
-    retx_requests: int
+    start_time: float             # receiver clock (monotonic) when ANNOUNCE arrived
+    fin_time: float               # receiver clock when the tensor reached its bound
+    retx_requests: int            # STATUS messages that asked for its segments
     duplicates: int
 
     @property
@@ -213,31 +279,48 @@ class TransferResult:
         return float(self.received.mean()) if self.received.size else 1.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Inbound:
+    """One announced tensor: its buffer as rows of one segment each."""
     tensor_id: int
-    conn: socket.socket
-    values: np.ndarray
+    iteration: "_InboundIteration"
+    padded: np.ndarray            # float32 [segments, vps]; values = padded.ravel()[:num_values]
+    num_values: int
     received: np.ndarray
     vps: int
     need: int
     p: float
     stage: str
-    start_time: float
     count: int = 0
     fin_time: float | None = None
     received_at_fin: int = 0
     retx_requests: int = 0
     duplicates: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.fin_time is not None
+
+
+@dataclass(eq=False)         # identity: iterations are set members
+class _InboundIteration:
+    key: int
+    conn: socket.socket
+    tensors: list
+    start_time: float
+    incomplete: int = 0
     window_bytes: int = 0
     window_start: float = 0.0
-    arrivals: int = 0                 # datagrams of this tensor, duplicates included
+    window_packets: int = 0
+    window_ce: int = 0                # CE-marked arrivals in the report window
+    arrivals: int = 0                 # data datagrams, duplicates included
     last_arrival: float = 0.0
-    stop_sent: int | None = None      # STOP seen (datagrams the sender had sent), not answered
+    rank: int = 0                     # lowest priority (highest rank) its data arrived with
+    stop_sent: int | None = None      # END seen (datagrams the sender had sent), not answered
     stop_time: float = 0.0
-    rank: int = 7                     # priority rank of its datagrams (0 = band 0 ... 7 = best effort)
-    mark_seen: int = -1               # `sent` carried by the newest END_MARK
+    marks: dict = field(default_factory=dict)   # sent -> [markers seen, markers in the round]
     answered_sent: int = -1           # the round (by `sent`) already answered
+    done: bool = False
 
 
 class DlcpReceiver:
@@ -246,7 +329,7 @@ class DlcpReceiver:
     def __init__(self, host: str = "127.0.0.1", udp_port: int = 0, tcp_port: int = 0, *,
                  max_values: int = 1 << 24, missing_policy: str = "zero",
                  report_period_s: float = REPORT_PERIOD_S, stop_drain_s: float = 0.02,
-                 rcvbuf: int = 8 << 20) -> None:
+                 rcvbuf: int = 8 << 20, batched: bool | None = None) -> None:
         if missing_policy not in MISSING_POLICIES:
             raise ValueError(f"missing_policy {missing_policy!r}: use one of {MISSING_POLICIES}")
         if report_period_s <= 0:
@@ -257,9 +340,9 @@ class DlcpReceiver:
         self.stop_drain_s = stop_drain_s
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        self.udp.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_RECVTOS", 13), 1)
         self.udp.bind((host, udp_port))
-        self.udp.setblocking(False)
+        self.io = DatagramSocket(self.udp, rx_rows=RX_ROWS, rx_width=65536, batched=batched,
+                                 rx_tos=True)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.listener.bind((host, tcp_port))
@@ -268,14 +351,17 @@ class DlcpReceiver:
         self.udp_addr = self.udp.getsockname()
         self.tcp_addr = self.listener.getsockname()
         # Counters (read them after wait()): datagrams by fate, and arrivals per ToS byte.
-        self.early_drops = 0          # data for a tensor with no START yet (zero-RTT race)
+        self.early_drops = 0          # data for a tensor not announced yet (zero-RTT race)
         self.late_packets = 0         # data for a tensor already delivered
         self.malformed = 0
         self.malformed_control = 0
         self.end_marks = 0
         self.data_packets = 0
         self.tos_counts: dict[int, int] = {}
+        self.control_counts: dict[int, int] = {}   # control messages received, by type
+        self.statuses_sent = 0
         self._active: dict[int, _Inbound] = {}
+        self._iterations: dict[int, _InboundIteration] = {}
         self._own: dict[int, np.ndarray] = {}
         self._done: dict[int, TransferResult] = {}
         self._finished_ids: set[int] = set()
@@ -283,9 +369,8 @@ class DlcpReceiver:
         self._cond = threading.Condition()
         self._readers: dict[socket.socket, FrameReader] = {}
         self._dead: set[socket.socket] = set()
-        self._rank_last_arrival = [0.0] * 8   # newest data arrival per priority rank
+        self._rank_last_arrival = np.zeros(NUM_DATA_BANDS + 1)   # newest data arrival per rank
         self._stop = threading.Event()
-        self._rxbuf = bytearray(65536)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.udp, selectors.EVENT_READ, "udp")
         self._sel.register(self.listener, selectors.EVENT_READ, "listen")
@@ -315,7 +400,7 @@ class DlcpReceiver:
             self._own[tensor_id] = np.ravel(values).astype(np.float32)
 
     def wait(self, tensor_id: int, timeout: float = 30.0) -> TransferResult:
-        """Block until tensor_id is delivered (FIN_CONFIRM seen); pops the result."""
+        """Block until tensor_id is delivered (its iteration is done); pops the result."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while tensor_id not in self._done:
@@ -330,9 +415,9 @@ class DlcpReceiver:
         next_report = time.monotonic() + self.report_period_s
         while not self._stop.is_set():
             timeout = 0.05
-            if self._active:
+            if self._iterations:
                 timeout = min(max(0.0, next_report - time.monotonic()), self.stop_drain_s)
-            # Control first: START then usually precedes its own zero-RTT data in one batch.
+            # Control first: ANNOUNCE then usually precedes its own zero-RTT data in one batch.
             events = sorted(self._sel.select(timeout), key=lambda ev: ev[0].data == "udp")
             for key, _ in events:
                 if key.data == "udp":
@@ -342,7 +427,7 @@ class DlcpReceiver:
                 else:
                     self._read_control(key.fileobj)
             now = time.monotonic()
-            self._answer_stops(now)
+            self._answer_ends(now)
             if now >= next_report:
                 self._send_rate_reports(now)
                 next_report = now + self.report_period_s
@@ -374,15 +459,19 @@ class DlcpReceiver:
             return
         self._sel.unregister(conn)
         self._readers.pop(conn, None)
-        for tid in [t for t, st in self._active.items() if st.conn is conn]:
-            del self._active[tid]
+        for key in [k for k, it in self._iterations.items() if it.conn is conn]:
+            self._forget(self._iterations.pop(key))
         conn.close()
+
+    def _forget(self, it: _InboundIteration) -> None:
+        for st in it.tensors:
+            self._active.pop(st.tensor_id, None)
 
     def _read_control(self, conn: socket.socket) -> None:
         try:
             data = conn.recv(65536, socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return                    # already read (a START looked up early)
+            return                    # already read (an ANNOUNCE looked up early)
         except OSError:
             data = b""
         if not data:
@@ -395,202 +484,278 @@ class DlcpReceiver:
                 self.malformed_control += 1     # bad body length: dropped and counted
 
     def _on_control(self, conn: socket.socket, msg_type: int, body: bytes) -> None:
-        if msg_type == MSG_START:
-            self._on_start(conn, *START_BODY.unpack(body))
-        elif msg_type == MSG_STOP:
-            self._on_stop(*STOP_BODY.unpack(body))
-        elif msg_type == MSG_FIN_CONFIRM:
-            self._deliver(ID_BODY.unpack(body)[0])
+        self.control_counts[msg_type] = self.control_counts.get(msg_type, 0) + 1
+        if msg_type == MSG_ANNOUNCE:
+            self._on_announce(conn, *parse_announce(body))
+        elif msg_type == MSG_END:
+            self._on_end(*END_BODY.unpack(body))
         else:
+            self.malformed_control += 1
             self._errors.append(f"unexpected control message type {msg_type}")
 
-    def _refuse(self, conn: socket.socket, tensor_id: int, why: str) -> None:
+    def _refuse(self, conn: socket.socket, key: int, why: str) -> None:
         self._errors.append(why)
-        self._send(conn, frame(MSG_ERROR, ID_BODY.pack(tensor_id) + why.encode()))
+        self._send(conn, frame(MSG_ERROR, ID_BODY.pack(key) + why.encode()))
 
-    def _on_start(self, conn, tensor_id, num_values, num_segments, vps, p, stage) -> None:
-        if tensor_id in self._active:
-            return self._refuse(conn, tensor_id, f"tensor {tensor_id} is already in transfer")
-        if num_values > self.max_values:
-            return self._refuse(conn, tensor_id, f"tensor {tensor_id}: {num_values} values exceed "
-                                f"the receive buffer ({self.max_values}); raise max_values")
-        if num_segments != segment_count(num_values, vps) or not 0 <= p < 1 or stage > 1:
-            return self._refuse(conn, tensor_id, f"tensor {tensor_id}: inconsistent START")
+    def _check(self, t: TensorAnnouncement, seen: set) -> str | None:
+        """Why an announced tensor is refused (None: accepted)."""
+        tid = t.tensor_id
+        if tid in self._active or tid in seen:
+            return f"tensor {tid} is already in transfer"
+        if t.num_values > self.max_values:
+            return (f"tensor {tid}: {t.num_values} values exceed the receive buffer "
+                    f"({self.max_values}); raise max_values")
+        if not 1 <= t.vps <= MAX_VALUES_PER_SEGMENT or t.num_values < 1 \
+                or t.num_segments != segment_count(t.num_values, t.vps) \
+                or not 0 <= t.p < 1 or t.stage > 1:
+            return f"tensor {tid}: inconsistent ANNOUNCE entry"
+        return None
+
+    def _on_announce(self, conn, key: int, tensors: list[TensorAnnouncement]) -> None:
+        if not tensors or tensors[0].tensor_id != key:
+            return self._refuse(conn, key, f"iteration {key}: the key must be its first tensor's id")
+        seen: set[int] = set()
+        for t in tensors:
+            why = self._check(t, seen)
+            if why:
+                return self._refuse(conn, key, f"iteration {key}: {why}")
+            seen.add(t.tensor_id)
         now = time.monotonic()
-        st = _Inbound(tensor_id, conn, np.zeros(num_values, np.float32),
-                      np.zeros(num_segments, bool), vps, fin_threshold(num_segments, p), p,
-                      STAGES[stage], now, window_start=now)
-        self._finished_ids.discard(tensor_id)
-        self._active[tensor_id] = st
-        if st.need == 0:
-            self._send_fin(st, now)
+        it = _InboundIteration(key, conn, [], now, window_start=now)
+        for t in tensors:
+            st = _Inbound(t.tensor_id, it, np.zeros((t.num_segments, t.vps), np.float32),
+                          t.num_values, np.zeros(t.num_segments, bool), t.vps,
+                          fin_threshold(t.num_segments, t.p), t.p, STAGES[t.stage])
+            if st.need == 0:
+                st.fin_time = now
+            else:
+                it.incomplete += 1
+            it.tensors.append(st)
+            self._active[t.tensor_id] = st
+            self._finished_ids.discard(t.tensor_id)
+        self._iterations[key] = it
+        if it.incomplete == 0:
+            self._finish(it)
 
-    def _on_stop(self, tensor_id: int, sent: int) -> None:
-        st = self._active.get(tensor_id)
-        if st is None or st.fin_time is not None or sent <= st.answered_sent:
-            return      # FIN already on its way, or this round was answered on its marker
-        st.stop_sent = sent
-        st.stop_time = time.monotonic()
-        self._answer_stops(st.stop_time)
+    def _on_end(self, key: int, sent: int) -> None:
+        it = self._iterations.get(key)
+        if it is None or it.done or sent <= it.answered_sent:
+            return      # done already, or this round was answered on its markers
+        it.stop_sent = sent
+        it.stop_time = time.monotonic()
+        self._answer_ends(it.stop_time)
 
-    def _answer_stops(self, now: float) -> None:
-        """Answer STOP with RETX_REQ(missing) once no data of the tensor is still in flight.
+    def _answer_ends(self, now: float) -> None:
+        """Answer END with STATUS once no data of the round is still in flight.
 
-        STOP travels on the top-priority control queue and overtakes data still queued in
+        END travels on the top-priority control queue and overtakes data still queued in
         the network; answering at once would request segments that are about to arrive.
-        So the receiver answers when it has seen as many datagrams as the sender sent, or
-        when the tensor's data has been idle for stop_drain_s (the rest is lost).
         """
-        for st in self._active.values():
-            if st.stop_sent is None or st.fin_time is not None:
+        for it in list(self._iterations.values()):
+            if it.stop_sent is None or it.done:
                 continue
             # Fallback clock: runs only while nothing of this priority or above arrives.
             # Under strict priority a starved band's data sits in the switch; asking for
             # it again would only add duplicates to a full queue.
-            busy = max(self._rank_last_arrival[:st.rank + 1])
-            drained = (st.mark_seen >= st.stop_sent or st.arrivals >= st.stop_sent
-                       or now - max(st.last_arrival, st.stop_time, busy) >= self.stop_drain_s)
+            busy = float(self._rank_last_arrival[:it.rank + 1].max())
+            seen, expected = it.marks.get(it.stop_sent, (0, 1))
+            drained = (seen >= expected or it.arrivals >= it.stop_sent
+                       or now - max(it.last_arrival, it.stop_time, busy) >= self.stop_drain_s)
             if drained:
-                self._request_missing(st, st.stop_sent)
+                self._request_missing(it)
 
-    def _request_missing(self, st: _Inbound, sent: int) -> None:
-        st.stop_sent = None
-        st.answered_sent = sent
-        missing = np.flatnonzero(~st.received).astype(">u4")
-        st.retx_requests += 1
-        self._send(st.conn, frame(MSG_RETX_REQ, ID_BODY.pack(st.tensor_id) + missing.tobytes()))
+    def _request_missing(self, it: _InboundIteration) -> None:
+        """One STATUS for the whole iteration: the missing segments of every tensor that
+        is still below its bound."""
+        it.answered_sent, it.stop_sent = it.stop_sent, None
+        entries = []
+        for st in it.tensors:
+            missing = np.zeros(0, np.int64)
+            if not st.complete:
+                st.retx_requests += 1
+                missing = np.flatnonzero(~st.received)
+            entries.append((st.tensor_id, st.count, missing))
+        self.statuses_sent += 1
+        self._send(it.conn, frame(MSG_STATUS, status_body(it.key, False, entries)))
 
-    def _on_end_mark(self, st: _Inbound, sent: int) -> None:
-        """The round's marker: all of the round is in or lost; answer now if STOP came."""
-        st.mark_seen = max(st.mark_seen, sent)
-        if st.fin_time is None and st.stop_sent is not None and sent >= st.stop_sent:
-            self._request_missing(st, st.stop_sent)
-
-    def _send_fin(self, st: _Inbound, now: float) -> None:
-        st.fin_time = now
-        st.received_at_fin = st.count
-        self._send(st.conn, frame(MSG_FIN, FIN_BODY.pack(st.tensor_id, st.count)))
-
-    def _deliver(self, tensor_id: int) -> None:
-        st = self._active.pop(tensor_id, None)
-        if st is None:
-            return
-        self._finished_ids.add(tensor_id)
+    def _finish(self, it: _InboundIteration) -> None:
+        """Every tensor met its bound: STATUS(done) and deliver (nothing more is sent)."""
+        it.done = True
+        entries = [(st.tensor_id, st.count, np.zeros(0, np.int64)) for st in it.tensors]
+        self.statuses_sent += 1
+        self._send(it.conn, frame(MSG_STATUS, status_body(it.key, True, entries)))
+        del self._iterations[it.key]
+        self._forget(it)
         with self._cond:
-            own = self._own.pop(tensor_id, None)
-            values = apply_missing_policy(st.values, st.received, st.vps, self.missing_policy, own)
-            self._done[tensor_id] = TransferResult(
-                tensor_id, values, st.received, st.need, st.received_at_fin, st.p, st.stage,
-                st.start_time, st.fin_time if st.fin_time is not None else time.monotonic(),
-                st.retx_requests, st.duplicates)
+            for st in it.tensors:
+                self._finished_ids.add(st.tensor_id)
+                own = self._own.pop(st.tensor_id, None)
+                values = apply_missing_policy(st.padded.reshape(-1)[:st.num_values], st.received,
+                                              st.vps, self.missing_policy, own)
+                self._done[st.tensor_id] = TransferResult(
+                    st.tensor_id, values, st.received, st.need, st.received_at_fin, st.p,
+                    st.stage, it.start_time, st.fin_time, st.retx_requests, st.duplicates)
             self._cond.notify_all()
 
+    # -- data --
     def _drain_udp(self) -> None:
-        cmsg_space = socket.CMSG_SPACE(4)
-        for _ in range(512):
-            try:
-                nbytes, anc, _flags, _addr = self.udp.recvmsg_into([self._rxbuf], cmsg_space)
-            except BlockingIOError:
+        for _ in range(64):
+            n = self.io.receive()
+            if n == 0:
                 return
-            self._on_data(nbytes, anc[0][2][0] if anc else 0)
+            self._on_batch(n)
 
-    def _on_data(self, nbytes: int, tos: int) -> None:
-        if nbytes < DATA_HEADER_LEN:
-            self.malformed += 1
+    def _on_batch(self, n: int) -> None:
+        """A batch of datagrams: headers parsed at once, segments copied per tensor."""
+        now = time.monotonic()
+        nbytes = self.io.rx_len[:n]
+        tos = self.io.rx_tos[:n].astype(np.int64)
+        short = nbytes < DATA_HEADER_LEN
+        self.malformed += int(short.sum())
+        rows = np.flatnonzero(~short)
+        if not len(rows):
             return
-        tensor_id, offset, length, seq, flags, _ = DATA_HEADER.unpack_from(self._rxbuf, 0)
-        rank = priority_rank(tos >> 2)
-        self._rank_last_arrival[rank] = time.monotonic()
-        if not flags & FLAG_END_MARK:      # per-ToS arrivals of data datagrams (E3 accounting)
-            self.tos_counts[tos] = self.tos_counts.get(tos, 0) + 1
+        hdr = np.ascontiguousarray(self.io.rx[rows, :DATA_HEADER_LEN]).view(HEADER_DTYPE).ravel()
+        rank = priority_rank(tos[rows] >> 2)
+        self._rank_last_arrival[np.unique(rank)] = now
+        is_mark = (hdr["flags"] & FLAG_END_MARK) != 0
+        kinds, counts = np.unique(tos[rows][~is_mark], return_counts=True)
+        for k, c in zip(kinds.tolist(), counts.tolist()):     # per-ToS arrivals (E3 accounting)
+            self.tos_counts[k] = self.tos_counts.get(k, 0) + c
+        data = ~is_mark
+        tids = hdr["tensor"][data]
+        for tid in np.unique(tids).tolist():
+            pick = np.flatnonzero(data)[tids == tid]
+            self._on_tensor_data(tid, rows[pick], hdr[pick], rank[pick], tos[rows[pick]], now)
+        for it in {self._active[t].iteration for t in np.unique(tids).tolist() if t in self._active}:
+            if it.incomplete == 0 and not it.done:
+                self._finish(it)
+        # Markers last: a marker in this batch came after the data in it.
+        for i in np.flatnonzero(is_mark):
+            self._on_end_mark(hdr[i], int(nbytes[rows[i]]))
+
+    def _lookup(self, tensor_id: int) -> _Inbound | None:
+        """An unknown tensor: read control messages already waiting (its ANNOUNCE may be
+        there, queued behind the datagrams this thread is draining) before calling it early."""
         st = self._active.get(tensor_id)
         if st is None and tensor_id not in self._finished_ids:
-            st = self._start_pending_control(tensor_id)
+            for key, _ in self._sel.select(0):
+                if key.data == "conn":
+                    self._read_control(key.fileobj)
+            st = self._active.get(tensor_id)
+        return st
+
+    def _on_end_mark(self, h, nbytes: int) -> None:
+        st = self._lookup(int(h["tensor"]))
         if st is None:
-            if flags & FLAG_END_MARK:
-                return                      # a marker of a finished round: nothing to count
-            if tensor_id in self._finished_ids:
-                self.late_packets += 1
-            else:
-                self.early_drops += 1
-            return
-        if flags & FLAG_END_MARK:
-            if length or nbytes != DATA_HEADER_LEN:
-                self.malformed += 1
-            else:
-                self.end_marks += 1
-                self._on_end_mark(st, seq)
-            return
-        seg, rem = divmod(offset, st.vps)
-        expected_len = min(st.vps, st.values.size - offset) if offset < st.values.size else -1
-        if rem or length != expected_len or nbytes != DATA_HEADER_LEN + 4 * length:
+            return                          # a marker of a finished iteration: nothing to count
+        if h["length"] or nbytes != DATA_HEADER_LEN or st.iteration.key != st.tensor_id:
             self.malformed += 1
             return
-        self.data_packets += 1
-        st.rank = rank
-        st.arrivals += 1
-        st.last_arrival = time.monotonic()
-        st.window_bytes += nbytes + WIRE_OVERHEAD
-        if st.received[seg]:
-            st.duplicates += 1
-            return
-        st.values[offset:offset + length] = np.frombuffer(self._rxbuf, ">f4", length, DATA_HEADER_LEN)
-        st.received[seg] = True
-        st.count += 1
-        if st.fin_time is None and st.count >= st.need:
-            self._send_fin(st, time.monotonic())
+        self.end_marks += 1
+        it, sent = st.iteration, int(h["seq"])
+        seen = it.marks.setdefault(sent, [0, max(1, int(h["offset"]))])
+        seen[0] += 1
+        if not it.done and it.stop_sent is not None and sent >= it.stop_sent and seen[0] >= seen[1]:
+            self._request_missing(it)
 
-    def _start_pending_control(self, tensor_id: int) -> _Inbound | None:
-        """Unknown tensor: read control messages already waiting (its START may be there,
-        queued behind the datagrams this thread is draining) before calling it early."""
-        for key, _ in self._sel.select(0):
-            if key.data == "conn":
-                self._read_control(key.fileobj)
-        return self._active.get(tensor_id)
+    def _on_tensor_data(self, tid: int, rows, h, rank, tos, now: float) -> None:
+        st = self._lookup(tid)
+        if st is None:
+            if tid in self._finished_ids:
+                self.late_packets += len(rows)
+            else:
+                self.early_drops += len(rows)
+            return
+        nbytes = self.io.rx_len[rows]
+        offset, length = h["offset"].astype(np.int64), h["length"].astype(np.int64)
+        seg, rem = np.divmod(offset, st.vps)
+        expected = np.where(offset < st.num_values, np.minimum(st.vps, st.num_values - offset), -1)
+        ok = (rem == 0) & (length == expected) & (nbytes == DATA_HEADER_LEN + 4 * length)
+        self.malformed += int((~ok).sum())
+        if not ok.any():
+            return
+        rows, seg, nbytes = rows[ok], seg[ok], nbytes[ok]
+        it = st.iteration
+        self.data_packets += len(rows)
+        it.arrivals += len(rows)
+        it.last_arrival = now
+        it.rank = max(it.rank, int(rank[ok].max()))
+        it.window_bytes += int(nbytes.sum()) + WIRE_OVERHEAD * len(rows)
+        it.window_packets += len(rows)
+        it.window_ce += int(np.count_nonzero(tos[ok] & 3 == 3))
+        seg, first = np.unique(seg, return_index=True)
+        fresh = ~st.received[seg]
+        st.duplicates += len(rows) - int(fresh.sum())
+        seg, rows = seg[fresh], rows[first[fresh]]
+        if not len(seg):
+            return
+        payload = self.io.rx[rows, DATA_HEADER_LEN:DATA_HEADER_LEN + 4 * st.vps]
+        st.padded[seg] = payload.view(">f4")
+        st.received[seg] = True
+        st.count += len(seg)
+        if not st.complete and st.count >= st.need:
+            st.fin_time, st.received_at_fin = now, st.count
+            it.incomplete -= 1
 
     def _send_rate_reports(self, now: float) -> None:
-        for st in self._active.values():
-            if st.fin_time is not None:
+        for it in self._iterations.values():
+            window = now - it.window_start
+            if it.done or window <= 0:
                 continue
-            window = now - st.window_start
-            if window <= 0:
-                continue
-            rate = st.window_bytes * 8 / window
-            self._send(st.conn, frame(MSG_RATE, RATE_BODY.pack(st.tensor_id, rate, window)))
-            st.window_bytes, st.window_start = 0, now
+            rate = it.window_bytes * 8 / window
+            ce = it.window_ce / it.window_packets if it.window_packets else 0.0
+            self._send(it.conn, frame(MSG_RATE, RATE_BODY.pack(it.key, rate, window, ce)))
+            it.window_bytes, it.window_start, it.window_packets, it.window_ce = 0, now, 0, 0
 
 
 # --- sender --------------------------------------------------------------------------
 @dataclass
 class SendStats:
+    """One tensor of an iteration, as the sender saw it."""
     tensor_id: int
     num_segments: int
-    completion_s: float            # START sent -> FIN received
+    first_sent: float              # sender clock (monotonic) of its first datagram
+    completion_s: float            # the iteration's ANNOUNCE -> STATUS(done)
     packets_sent: int
     retransmitted: int
-    stops: int
-    retx_requests: int
-    received_at_fin: int
-    rate_halvings: int
+    stops: int                     # END messages of the iteration
+    retx_requests: int             # STATUS messages that asked for its segments
+    received_at_fin: int           # segments the receiver had when the iteration was done
+    rate_halvings: int             # of the sender's controller, so far
     final_rate_bps: float
     tos: np.ndarray = field(repr=False)           # ToS byte per segment
     sends: np.ndarray = field(repr=False)         # transmissions per segment
-    retx_lists: list = field(default_factory=list, repr=False)  # each RETX_REQ's segments
+    retx_lists: list = field(default_factory=list, repr=False)  # each request's segments
+
+
+@dataclass(frozen=True)
+class TensorToSend:
+    """A tensor of an iteration: id, values and its layer (for the marking policy)."""
+    tensor_id: int
+    values: np.ndarray
+    layer: int = 0
 
 
 class DlcpSender:
-    """DLCP sender to one receiver; send_tensor() is blocking and one tensor at a time.
+    """DLCP sender to one receiver; send_iteration() is blocking, one iteration at a time.
 
     link_bps: host line rate (initial and maximum pacing rate); None sends unpaced.
-    recovery: "dlcp" (STOP as soon as the data runs out) or "timer" (baseline: wait
-    rto_s for FIN first, i.e. timeout-driven recovery; use with p = 0).
+    recovery: "dlcp" (END as soon as the data runs out) or "timer" (baseline: wait
+    rto_s for STATUS(done) first, i.e. timeout-driven recovery; use with p = 0).
     retx_important: send retransmitted segments ECT whatever their importance: the
     receiver asked for them to meet the bound, and a Not-ECT resend would be dropped
     again and again while the queue stays above its threshold (our extension).
-    rate_scope: "tensor" (the paper: every tensor starts at line rate) or "connection"
-    (the rate carries over from one tensor to the next to the same receiver; our option
-    for incasts of many small tensors). reset_on_retx: line rate again for a
-    retransmission round (the paper) or keep the current rate.
+    The rate controller lives as long as the sender: tensors and iterations carry its
+    rate over. reset_on_retx: line rate again for a retransmission round (the paper).
+    rate_delta, rate_ai, ce_threshold: the controller's Δ, additive increase (a fraction of
+    the link per report) and its optional ECN echo (ratecontrol); None keeps the defaults.
+    pace_burst_s: how far the pacer may catch up after falling behind (a sender that was
+    descheduled sends that much of its rate at once, no more).
+    retx_extra: None resends every segment a STATUS lists (the paper); a number resends
+    only the tensor's deficit (need - received) times (1 + retx_extra) of them, in send
+    order, since the bound needs no more (our option; the resends are ECT, so only a full
+    buffer loses them).
     """
 
     def __init__(self, receiver_udp: tuple[str, int], receiver_tcp: tuple[str, int], *,
@@ -599,7 +764,10 @@ class DlcpSender:
                  order: str = "random", rate_control: bool = True, recovery: str = "dlcp",
                  rto_s: float = 0.01, source_ip: str | None = None, timeout_s: float = 60.0,
                  start_delay_s: float = 0.0, retx_important: bool = True,
-                 rate_scope: str = "tensor", reset_on_retx: bool = True) -> None:
+                 reset_on_retx: bool = True, batched: bool | None = None,
+                 rate_delta: float | None = None, ce_threshold: float | None = None,
+                 retx_extra: float | None = None, rate_ai: float | None = None,
+                 pace_burst_s: float = 0.002) -> None:
         if not 1 <= values_per_segment <= MAX_VALUES_PER_SEGMENT:
             raise ValueError(f"values_per_segment must be in 1..{MAX_VALUES_PER_SEGMENT}")
         if recovery not in ("dlcp", "timer"):
@@ -607,7 +775,6 @@ class DlcpSender:
         if link_bps is not None and link_bps <= 0:
             raise ValueError("link_bps must be > 0 (or None for unpaced)")
         send_order(1, seed, 0, 0, order)    # validates `order`
-        self.receiver_udp = receiver_udp
         self.vps = values_per_segment
         self.bounds = bounds
         self.policy = policy
@@ -620,15 +787,25 @@ class DlcpSender:
         self.timeout_s = timeout_s
         self.start_delay_s = start_delay_s
         self.retx_important = retx_important
-        if rate_scope not in ("tensor", "connection"):
-            raise ValueError(f"rate_scope {rate_scope!r}: use 'tensor' or 'connection'")
-        self.rate_scope = rate_scope
         self.reset_on_retx = reset_on_retx
-        self.shared_rate = RateController(link_bps) if link_bps and rate_scope == "connection" else None
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        if retx_extra is not None and retx_extra < 0:
+            raise ValueError("retx_extra must be >= 0 (or None to resend every missing segment)")
+        self.retx_extra = retx_extra
+        if pace_burst_s < 0:
+            raise ValueError("pace_burst_s must be >= 0")
+        self.pace_burst_s = pace_burst_s
+        self.rate_log: list[tuple[float, float, float, float, float]] = []   # see _on_rate
+        self.rc = None
+        if link_bps:
+            tuned = {k: v for k, v in (("delta", rate_delta), ("ai_fraction", rate_ai)) if v is not None}
+            self.rc = RateController(link_bps, ce_threshold=ce_threshold, **tuned)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         if source_ip:
-            self.udp.bind((source_ip, 0))
+            udp.bind((source_ip, 0))
+        udp.connect(receiver_udp)
+        self.udp = udp
+        self.io = DatagramSocket(udp, rx_rows=1, rx_width=16, batched=batched)
         # Control DSCP before connect: the SYN too must ride the control queue, or a
         # best-effort queue full of background traffic can hold the handshake back.
         self.ctrl = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -662,74 +839,136 @@ class DlcpSender:
     def send_tensor(self, tensor_id: int, values: np.ndarray, *, stage: str = "push",
                     layer: int = 0, num_layers: int = 1, iteration: int = 0,
                     p: float | None = None) -> SendStats:
-        flat = np.ravel(values)
-        if flat.size == 0:
-            raise ValueError(f"tensor {tensor_id} is empty")
-        if not np.all(np.isfinite(flat)):
-            raise ValueError(f"tensor {tensor_id} has {int(np.count_nonzero(~np.isfinite(flat)))} "
-                             "NaN/inf values")
+        """One tensor as an iteration of its own."""
+        return self.send_iteration([TensorToSend(tensor_id, values, layer)], stage=stage,
+                                   num_layers=num_layers, iteration=iteration, p=p)[0]
+
+    def send_iteration(self, tensors, *, stage: str = "push", num_layers: int = 1,
+                       iteration: int = 0, p: float | None = None) -> list[SendStats]:
+        """Send every tensor of an iteration (in the given order) with one control
+        exchange; returns per-tensor stats once the receiver has them all within bound."""
+        tensors = [t if isinstance(t, TensorToSend) else TensorToSend(*t) for t in tensors]
+        if not tensors:
+            raise ValueError("an iteration needs at least one tensor")
+        ids = [t.tensor_id for t in tensors]
+        if len(set(ids)) != len(ids):
+            raise ValueError("tensor ids within an iteration must be distinct")
         p = self.bounds.for_stage(stage) if p is None else p
         if not 0 <= p < 1:
             raise ValueError(f"loss bound p={p} must be in [0, 1)")
-        return _Transfer(self, tensor_id, flat, stage, layer, num_layers, iteration, p).run()
+        flats = []
+        for t in tensors:
+            flat = np.ravel(t.values)
+            if flat.size == 0:
+                raise ValueError(f"tensor {t.tensor_id} is empty")
+            if not np.all(np.isfinite(flat)):
+                raise ValueError(f"tensor {t.tensor_id} has "
+                                 f"{int(np.count_nonzero(~np.isfinite(flat)))} NaN/inf values")
+            flats.append(flat)
+        return _IterationTransfer(self, tensors, flats, stage, num_layers, iteration, p).run()
 
 
-class _Transfer:
-    """One tensor transfer on the sender side (send loop, STOP/RETX rounds, pacing)."""
+class _IterationTransfer:
+    """One iteration on the sender side: every tensor's datagrams as rows of one array
+    (in send order), sent in paced batches; END/STATUS rounds."""
 
-    def __init__(self, sender: DlcpSender, tensor_id, flat, stage, layer, num_layers,
-                 iteration, p) -> None:
-        self.s = sender
-        self.tensor_id = tensor_id
-        self.rows = encode_segments(tensor_id, flat, sender.vps)
-        self.n = len(self.rows)
-        self.lengths = DATA_HEADER_LEN + 4 * segment_bounds(flat.size, sender.vps)[:, 1]
-        self.tos = sender.marks(flat, layer, num_layers, self.n)
-        self.sends = np.zeros(self.n, np.int64)
-        self.pending = list(send_order(self.n, sender.seed, tensor_id, iteration, sender.order))
-        self.start = START_BODY.pack(tensor_id, flat.size, self.n, sender.vps, p,
-                                     STAGES.index(stage))
-        self.rc = sender.shared_rate or (RateController(sender.link_bps) if sender.link_bps else None)
-        self.fin: int | None = None
-        self.retx: list[int] | None = None
+    def __init__(self, sender: DlcpSender, tensors, flats, stage, num_layers, iteration, p):
+        s = self.s = sender
+        self.key = tensors[0].tensor_id
+        self.tensors = tensors
+        self.counts = [segment_count(f.size, s.vps) for f in flats]
+        self.base = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        rows, lengths, tos, self.position = [], [], [], []
+        for t, flat, n in zip(tensors, flats, self.counts):
+            order = send_order(n, s.seed, t.tensor_id, iteration, s.order)
+            rows.append(encode_segments(t.tensor_id, flat, s.vps)[order])
+            lengths.append((DATA_HEADER_LEN + 4 * segment_bounds(flat.size, s.vps)[:, 1])[order])
+            tos.append(s.marks(flat, t.layer, num_layers, n)[order])
+            position = np.empty(n, np.int64)          # segment -> its row within the tensor
+            position[order] = np.arange(n)
+            self.position.append(position)
+        self.packets = PacketRows(np.concatenate(rows), np.concatenate(lengths), np.concatenate(tos))
+        self.first_tos = self.packets.tos.copy()
+        self.row_sends = np.zeros(len(self.packets.rows), np.int64)
+        self.row_wire_bits = (self.packets.lengths + WIRE_OVERHEAD) * 8
+        self.announce = announce_body(self.key, [
+            TensorAnnouncement(t.tensor_id, f.size, n, s.vps, p, STAGES.index(stage))
+            for t, f, n in zip(tensors, flats, self.counts)])
+        self.need = [fin_threshold(n, p) for n in self.counts]
+        self.first_sent = np.zeros(len(tensors))
+        self.done = False
+        self.status: dict | None = None
+        self.received: dict[int, int] = {}
         self.seq = 0
         self.stops = 0
-        self.retx_requests = 0
-        self.retx_lists: list[list[int]] = []
-        self.sent_bytes_window = 0
+        self.retx_lists: dict[int, list] = {t.tensor_id: [] for t in tensors}
+        self.sent_bits_window = 0
         self.window_start = 0.0
+        self.next_t = 0.0
 
-    def run(self) -> SendStats:
+    def run(self) -> list[SendStats]:
+        s = self.s
         t0 = time.monotonic()
-        self.deadline = t0 + self.s.timeout_s
-        if self.s.start_delay_s <= 0:
-            self._control(MSG_START, self.start)        # zero-RTT: data follows at once
-        self.window_start = t0
-        retransmission = False
+        self.deadline = t0 + s.timeout_s
+        self.announced = s.start_delay_s <= 0
+        if self.announced:
+            self._control(MSG_ANNOUNCE, self.announce)      # zero-RTT: data follows at once
+        self.window_start = self.next_t = t0
+        pending = np.arange(len(self.packets.rows))
         while True:
-            self._send_pending(retransmission, t0)
-            if self.fin is not None:
+            self._send_rows(pending, t0)
+            if self.done:
                 break
-            if self.s.recovery == "timer":
-                self._wait(time.monotonic() + self.s.rto_s)   # baseline: retransmit on timeout
-                if self.fin is not None:
+            if s.recovery == "timer":
+                self._wait(time.monotonic() + s.rto_s)     # baseline: retransmit on timeout
+                if self.done:
                     break
             self.stops += 1
-            self._control(MSG_STOP, STOP_BODY.pack(self.tensor_id, int(self.sends.sum())))
-            self._wait(self.deadline, until_retx=True)
-            if self.fin is not None:
+            self._control(MSG_END, END_BODY.pack(self.key, self.seq))
+            self._wait(self.deadline, until_status=True)
+            if self.done:
                 break
-            self.pending, self.retx, retransmission = self.retx, None, True
-            if self.rc is not None and self.s.reset_on_retx:
-                self.rc.on_retransmission()
-        done = time.monotonic()
-        self._control(MSG_FIN_CONFIRM, ID_BODY.pack(self.tensor_id))
-        total = int(self.sends.sum())
-        return SendStats(self.tensor_id, self.n, done - t0, total, total - int((self.sends > 0).sum()),
-                         self.stops, self.retx_requests, self.fin,
-                         self.rc.halvings if self.rc else 0,
-                         self.rc.rate_bps if self.rc else 0.0, self.tos, self.sends,
-                         self.retx_lists)
+            pending = self._retransmission_rows()
+            if s.rc is not None and s.reset_on_retx:
+                s.rc.on_retransmission()
+        elapsed = time.monotonic() - t0
+        return [self._stats(k, elapsed) for k in range(len(self.tensors))]
+
+    def _stats(self, k: int, elapsed: float) -> SendStats:
+        lo, hi = self.base[k], self.base[k + 1]
+        pos = self.position[k]
+        sends = self.row_sends[lo:hi][pos]
+        total = int(sends.sum())
+        rc = self.s.rc
+        tid = self.tensors[k].tensor_id
+        return SendStats(tid, self.counts[k], float(self.first_sent[k]), elapsed, total,
+                         total - int((sends > 0).sum()), self.stops, len(self.retx_lists[tid]),
+                         self.received.get(tid, 0), rc.halvings if rc else 0,
+                         rc.rate_bps if rc else 0.0, self.first_tos[lo:hi][pos], sends,
+                         self.retx_lists[tid])
+
+    def _retransmission_rows(self) -> np.ndarray:
+        """The rows the STATUS asked for, marked RETX (and ECT: asked for to meet the bound)."""
+        rows = []
+        index = {t.tensor_id: k for k, t in enumerate(self.tensors)}
+        for tid, (_, missing) in self.status.items():
+            if tid not in index or not len(missing):
+                continue
+            k = index[tid]
+            missing = missing[missing < self.counts[k]]
+            self.retx_lists[tid].append(missing.tolist())
+            at = self.base[k] + np.sort(self.position[k][missing])   # in the round's send order
+            if self.s.retx_extra is not None:
+                # Only what the bound needs, plus a margin for a resend lost again.
+                deficit = self.need[k] - self.received.get(tid, 0)
+                at = at[:max(1, deficit + math.ceil(self.s.retx_extra * deficit))]
+            rows.append(at)
+        self.status = None
+        rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
+        self.packets.rows[rows, 14] = FLAG_RETX
+        if self.s.retx_important:
+            self.packets.tos[rows] = (self.packets.tos[rows] & 0xFC) | ECT0
+        return rows
 
     def _control(self, msg_type: int, body: bytes) -> None:
         ctrl = self.s.ctrl
@@ -739,53 +978,68 @@ class _Transfer:
         finally:
             ctrl.setblocking(False)
 
-    def _send_pending(self, retransmission: bool, t0: float) -> None:
-        udp, addr = self.s.udp, self.s.receiver_udp
-        flags = FLAG_RETX if retransmission else 0
-        next_t = time.monotonic()
-        for i, seg in enumerate(self.pending):
-            if i % 4 == 0:
-                self._poll()
-                if self.fin is not None:
-                    return
-            if self.s.start_delay_s > 0 and time.monotonic() - t0 >= self.s.start_delay_s:
-                self._control(MSG_START, self.start)   # test hook: START after some data
-                self.s.start_delay_s = 0
-            row = self.rows[seg]
-            row[14] = flags
-            struct.pack_into("!I", row, 10, self.seq & 0xFFFFFFFF)
-            length = int(self.lengths[seg])
-            tos = int(self.tos[seg])
-            if retransmission and self.s.retx_important:
-                tos = (tos & 0xFC) | 0b10     # requested to meet the bound: not droppable
-            udp.sendmsg([row[:length]], [(socket.IPPROTO_IP, socket.IP_TOS,
-                                           struct.pack("i", tos))], 0, addr)
-            self.seq += 1
-            self.sends[seg] += 1
-            self.sent_bytes_window += length + WIRE_OVERHEAD
-            next_t = self._pace(next_t, length + WIRE_OVERHEAD)
-        if self.s.start_delay_s > 0:
-            self._control(MSG_START, self.start)
-            self.s.start_delay_s = 0
-        if self.s.recovery == "dlcp" and self.pending:
-            self._send_end_mark(self.pending[-1])
+    def _send_rows(self, pending: np.ndarray, t0: float) -> None:
+        """Send the rows in order, a batch per sendmmsg, paced at the controller's rate."""
+        s, pos = self.s, 0
+        while pos < len(pending):
+            self._poll()
+            if self.done:
+                return
+            if not self.announced and time.monotonic() - t0 >= s.start_delay_s:
+                self._control(MSG_ANNOUNCE, self.announce)   # test hook: ANNOUNCE after data
+                self.announced = True
+            k = self._batch_size(pending[pos:pos + BATCH_MAX])
+            if k == 0:
+                continue
+            batch = pending[pos:pos + k]
+            seq = np.arange(self.seq, self.seq + k, dtype=np.uint64).astype(">u4")
+            self.packets.rows[batch, 10:14] = seq.view(np.uint8).reshape(k, 4)
+            self.io_send(batch)
+            pos += k
+        if not self.announced:
+            self._control(MSG_ANNOUNCE, self.announce)
+            self.announced = True
+        if s.recovery == "dlcp" and len(pending):
+            self._send_end_marks(pending)
 
-    def _send_end_mark(self, last_seg: int) -> None:
-        """Empty END_MARK behind the round's data, same DSCP, ECT; seq = datagrams sent."""
-        tos = (int(self.tos[last_seg]) & 0xFC) | 0b10
-        mark = DATA_HEADER.pack(self.tensor_id, 0, 0, int(self.sends.sum()), FLAG_END_MARK, 0)
-        self.s.udp.sendmsg([mark], [(socket.IPPROTO_IP, socket.IP_TOS, struct.pack("i", tos))],
-                           0, self.s.receiver_udp)
+    def io_send(self, batch: np.ndarray) -> None:
+        self.s.io.send(self.packets, batch)
+        new = self.row_sends[batch] == 0
+        self.row_sends[batch] += 1
+        self.seq += len(batch)
+        if new.any():
+            tensor = np.searchsorted(self.base, batch[new], side="right") - 1
+            fresh = self.first_sent[tensor] == 0
+            self.first_sent[tensor[fresh]] = time.monotonic()
+        self.sent_bits_window += int(self.row_wire_bits[batch].sum())
 
-    def _pace(self, next_t: float, wire_bytes: int) -> float:
-        """Token-bucket pacing at the controller's rate; sleeps only when >0.5 ms ahead."""
-        if self.rc is None:
-            return next_t
+    def _batch_size(self, candidates: np.ndarray) -> int:
+        """How many of the candidate rows may leave now (token bucket at the controller's
+        rate, 0.5 ms of slack); when none may, wait for the first one (reading control)."""
+        rc = self.s.rc
+        if rc is None:
+            return len(candidates)
         now = time.monotonic()
-        next_t = max(next_t, now - 0.002) + wire_bytes * 8 / self.rc.rate_bps
-        if next_t - now > 0.0005:
-            time.sleep(next_t - now)
-        return next_t
+        self.next_t = max(self.next_t, now - self.s.pace_burst_s)
+        start = self.next_t + np.concatenate(
+            [[0.0], np.cumsum(self.row_wire_bits[candidates[:-1]])]) / rc.rate_bps
+        k = int(np.searchsorted(start, now + 0.0005, side="right"))
+        if k == 0:
+            self._poll(start[0] - now)
+            return 0
+        self.next_t = start[k - 1] + self.row_wire_bits[candidates[k - 1]] / rc.rate_bps
+        return k
+
+    def _send_end_marks(self, pending: np.ndarray) -> None:
+        """An empty END_MARK behind the round's data in every band it used (ECT); its seq
+        is the datagrams sent so far and its offset the number of markers."""
+        bands = np.unique(self.packets.tos[pending] & 0xFC)
+        rows = np.zeros((len(bands), DATA_HEADER_LEN), np.uint8)
+        for r in range(len(bands)):
+            rows[r] = np.frombuffer(DATA_HEADER.pack(self.key, len(bands), 0, self.seq,
+                                                     FLAG_END_MARK, 0), np.uint8)
+        marks = PacketRows(rows, np.full(len(bands), DATA_HEADER_LEN), bands | ECT0)
+        self.s.io.send(marks, np.arange(len(bands)))
 
     def _poll(self, timeout: float = 0.0) -> None:
         ctrl = self.s.ctrl
@@ -798,41 +1052,45 @@ class _Transfer:
         finally:
             ctrl.setblocking(False)
         if not data:
-            raise DlcpError(f"tensor {self.tensor_id}: control connection closed by receiver")
+            raise DlcpError(f"iteration {self.key}: control connection closed by receiver")
         for msg_type, body in self.s.reader.feed(data):
             self._on_control(msg_type, body)
 
     def _on_control(self, msg_type: int, body: bytes) -> None:
-        tid = ID_BODY.unpack_from(body)[0]
-        if tid != self.tensor_id:
-            return          # a stale message of an earlier tensor (e.g. a late rate report)
-        if msg_type == MSG_FIN:
-            self.fin = FIN_BODY.unpack(body)[1]
-        elif msg_type == MSG_RETX_REQ:
-            self.retx_requests += 1
-            self.retx = np.frombuffer(body, ">u4", offset=4).astype(np.int64).tolist()
-            self.retx_lists.append(list(self.retx))
+        key = ID_BODY.unpack_from(body)[0]
+        if key != self.key:
+            return          # a stale message of an earlier iteration (e.g. a late rate report)
+        if msg_type == MSG_STATUS:
+            _, done, entries = parse_status(body)
+            self.received.update({tid: got for tid, (got, _) in entries.items()})
+            if done:
+                self.done = True
+            else:
+                self.status = entries
         elif msg_type == MSG_RATE:
             self._on_rate(*RATE_BODY.unpack(body)[1:])
         elif msg_type == MSG_ERROR:
-            raise DlcpError(f"receiver refused tensor {tid}: {body[4:].decode(errors='replace')}")
+            raise DlcpError(f"receiver refused iteration {key}: {body[4:].decode(errors='replace')}")
 
-    def _on_rate(self, recv_bps: float, _window: float) -> None:
+    def _on_rate(self, recv_bps: float, _window: float, ce_fraction: float) -> None:
         now = time.monotonic()
         elapsed = now - self.window_start
-        if self.rc is None or not self.s.rate_control or elapsed <= 0:
+        rc = self.s.rc
+        if rc is None or not self.s.rate_control or elapsed <= 0:
             return
-        send_bps = self.sent_bytes_window * 8 / elapsed
-        self.sent_bytes_window, self.window_start = 0, now
-        self.rc.on_report(send_bps, recv_bps)
+        send_bps = self.sent_bits_window / elapsed
+        self.sent_bits_window, self.window_start = 0, now
+        rc.on_report(send_bps, recv_bps, ce_fraction)
+        # (time, send, receive, CE share, new rate): the controller's trace, for evaluations
+        self.s.rate_log.append((now, send_bps, recv_bps, ce_fraction, rc.rate_bps))
 
-    def _wait(self, until: float, until_retx: bool = False) -> None:
-        """Process control messages until FIN (or RETX_REQ) or the time `until`."""
-        while self.fin is None and not (until_retx and self.retx is not None):
+    def _wait(self, until: float, until_status: bool = False) -> None:
+        """Process control messages until STATUS (done, or with requests) or the time `until`."""
+        while not self.done and not (until_status and self.status is not None):
             left = until - time.monotonic()
             if left <= 0:
-                if until_retx:
-                    raise TimeoutError(f"tensor {self.tensor_id}: no FIN/RETX_REQ within "
-                                       f"{self.s.timeout_s} s of START")
+                if until_status:
+                    raise TimeoutError(f"iteration {self.key}: no STATUS within "
+                                       f"{self.s.timeout_s} s of ANNOUNCE")
                 return
             self._poll(min(left, 0.05))

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from host.dlcp.transport import (FIN_BODY, ID_BODY, MSG_FIN, MSG_FIN_CONFIRM, MSG_RETX_REQ,
-                                 MSG_START, MSG_STOP, START_BODY, STOP_BODY, DlcpReceiver,
-                                 FrameReader, encode_segments, frame, segment_count)
+from host.dlcp.transport import (END_BODY, MSG_ANNOUNCE, MSG_END, MSG_STATUS, DlcpReceiver,
+                                 FrameReader, TensorAnnouncement, announce_body, encode_segments,
+                                 frame, parse_status, segment_count)
 
 
 @pytest.fixture
@@ -29,16 +29,21 @@ class RawSender:
         self.ctrl = socket.create_connection(receiver.tcp_addr, timeout=5)
         self.ctrl.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # no Nagle hold-back
         self.reader = FrameReader()
-        self.pending: list[tuple[int, bytes]] = []
 
     def close(self) -> None:
         self.udp.close()
         self.ctrl.close()
 
-    def start(self, tensor_id: int, num_values: int, p: float, stage: int = 0) -> None:
-        n = segment_count(num_values, self.vps)
-        self.ctrl.sendall(frame(MSG_START, START_BODY.pack(tensor_id, num_values, n, self.vps, p, stage)))
+    def announce(self, tensors: list[tuple[int, int, float]], stage: int = 0) -> int:
+        """ANNOUNCE an iteration of (tensor_id, num_values, p); returns its key."""
+        entries = [TensorAnnouncement(tid, n, segment_count(n, self.vps), self.vps, p, stage)
+                   for tid, n, p in tensors]
+        self.ctrl.sendall(frame(MSG_ANNOUNCE, announce_body(tensors[0][0], entries)))
         self.settle()
+        return tensors[0][0]
+
+    def start(self, tensor_id: int, num_values: int, p: float, stage: int = 0) -> int:
+        return self.announce([(tensor_id, num_values, p)], stage)
 
     def datagrams(self, tensor_id: int, values: np.ndarray) -> list[bytes]:
         rows = encode_segments(tensor_id, values, self.vps)
@@ -48,11 +53,9 @@ class RawSender:
     def send(self, datagram: bytes) -> None:
         self.udp.sendto(datagram, self.receiver.udp_addr)
 
-    def stop(self, tensor_id: int) -> None:
-        self.ctrl.sendall(frame(MSG_STOP, STOP_BODY.pack(tensor_id, 0)))
-
-    def fin_confirm(self, tensor_id: int) -> None:
-        self.ctrl.sendall(frame(MSG_FIN_CONFIRM, ID_BODY.pack(tensor_id)))
+    def end(self, key: int, sent: int = 0) -> None:
+        """END of a round; sent = 0 leaves the receiver to its drain clock."""
+        self.ctrl.sendall(frame(MSG_END, END_BODY.pack(key, sent)))
 
     def settle(self, until_udp: int | None = None, timeout: float = 2.0) -> None:
         """Give the receiver thread time to process what was sent (no data is lost on loopback)."""
@@ -60,13 +63,14 @@ class RawSender:
         if until_udp is None:
             time.sleep(0.02)
             return
-        while self.receiver.data_packets + self.receiver.early_drops < until_udp:
+        r = self.receiver
+        while r.data_packets + r.early_drops + r.late_packets < until_udp:
             if time.monotonic() > deadline:
                 raise TimeoutError("receiver did not process the datagrams")
             time.sleep(0.002)
 
-    def messages(self, wait: float = 0.1) -> list[tuple[int, bytes]]:
-        """Control messages from the receiver (rate reports filtered out)."""
+    def messages(self, wait: float = 0.1) -> list[tuple[bool, dict]]:
+        """STATUS messages from the receiver as (done, {tensor: (received, missing)})."""
         out = []
         deadline = time.monotonic() + wait     # rate reports keep coming: bound the wait
         try:
@@ -75,7 +79,7 @@ class RawSender:
                 data = self.ctrl.recv(65536)
                 if not data:
                     break
-                out += [m for m in self.reader.feed(data) if m[0] in (MSG_FIN, MSG_RETX_REQ)]
+                out += [parse_status(b)[1:] for t, b in self.reader.feed(data) if t == MSG_STATUS]
         except socket.timeout:
             pass
         return out
@@ -88,9 +92,24 @@ def raw_sender(receiver):
     s.close()
 
 
-def fin_count(msgs) -> list[int]:
-    return [FIN_BODY.unpack(b)[1] for t, b in msgs if t == MSG_FIN]
+def fin_count(msgs, tensor_id: int | None = None) -> list[int]:
+    """Segments received, per STATUS(done), of tensor_id (default: the only one)."""
+    out = []
+    for done, entries in msgs:
+        if done:
+            tid = tensor_id if tensor_id is not None else next(iter(entries))
+            out.append(entries[tid][0])
+    return out
 
 
-def retx_segments(msgs) -> list[list[int]]:
-    return [np.frombuffer(b, ">u4", offset=4).tolist() for t, b in msgs if t == MSG_RETX_REQ]
+def retx_segments(msgs, tensor_id: int | None = None) -> list[list[int]]:
+    """Missing segments asked for, per STATUS that is not done, of tensor_id (default: the
+    only tensor that has any)."""
+    out = []
+    for done, entries in msgs:
+        if done:
+            continue
+        asked = {tid: m.tolist() for tid, (_, m) in entries.items() if len(m)}
+        out.append(asked.get(tensor_id, []) if tensor_id is not None
+                   else next(iter(asked.values()), []))
+    return out

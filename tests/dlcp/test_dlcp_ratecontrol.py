@@ -72,3 +72,20 @@ def test_sender_paces_at_link_rate():
         r.wait(1, 10)
     # (a zero-RTT datagram that beat START may be resent once)
     assert st.completion_s >= 0.9 * ideal and 100 <= st.packets_sent <= 102
+
+
+def test_ecn_echo_counts_as_congestion_only_when_enabled():
+    paper = RateController(LINK)
+    assert paper.on_report(send_bps=5e9, recv_bps=5e9, ce_fraction=0.9) == LINK   # ignored
+    echo = RateController(LINK, ce_threshold=0.1)
+    assert echo.on_report(5e9, 5e9, ce_fraction=0.1) == LINK                        # not above
+    assert echo.on_report(5e9, 5e9, ce_fraction=0.11) == LINK / 2
+    assert echo.state is RateState.CONG_AVOID
+    with pytest.raises(ValueError, match="ce_threshold"):
+        RateController(LINK, ce_threshold=1.0)
+
+
+def test_additive_increase_step_is_configurable():
+    rc = RateController(LINK, ai_fraction=0.25)
+    rc.on_report(10e9, 1e9)
+    assert rc.on_report(1e9, 1e9) == pytest.approx(7.5e9)

@@ -1,4 +1,5 @@
-"""H4-H9, H11, H12 and the missing-segment policy, on real UDP/TCP sockets on loopback."""
+"""H4-H9, H11, H12, the per-iteration exchange and the missing-segment policy, on real UDP/TCP
+sockets on loopback."""
 import socket
 import threading
 import time
@@ -8,9 +9,10 @@ import pytest
 
 from host.dlcp.marking import DlcpPolicy
 from host.dlcp.relay import LossyRelay, random_loss
-from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, DlcpError, DlcpReceiver, DlcpSender,
-                                 LossBounds, apply_missing_policy, encode_segments, fin_threshold,
-                                 segment_bounds, send_order)
+from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, MSG_ANNOUNCE, MSG_END,
+                                 WIRE_OVERHEAD, DlcpError, DlcpReceiver, DlcpSender, LossBounds,
+                                 TensorToSend, apply_missing_policy, encode_segments, fin_threshold,
+                                 frame, segment_bounds, send_order)
 
 from .conftest import fin_count, retx_segments
 
@@ -52,7 +54,6 @@ def test_h5_any_permutation_gives_identical_buffer(receiver, raw_sender):
             raw_sender.send(grams[k])
         raw_sender.settle(until_udp=base + len(grams))
         assert fin_count(raw_sender.messages()) == [len(grams)]
-        raw_sender.fin_confirm(tid)
         res = receiver.wait(tid, 5)
         buffers.append(res.values.tobytes())
     assert buffers[0] == buffers[1] == buffers[2]
@@ -75,7 +76,6 @@ def test_h6_fin_exactly_at_bound(receiver, raw_sender, p, n_values):
     raw_sender.send(grams[need - 1])
     raw_sender.settle(until_udp=need + 1)
     assert fin_count(raw_sender.messages()) == [need]
-    raw_sender.fin_confirm(21)
     res = receiver.wait(21, 5)
     assert res.received_at_fin == need and res.duplicates == 1
     assert res.delivered_fraction >= 1 - p
@@ -95,7 +95,7 @@ def test_h7_stop_requests_exactly_the_missing_segments(receiver, raw_sender):
         if k not in lost:
             raw_sender.send(grams[k])
     raw_sender.settle(until_udp=len(grams) - len(lost))
-    raw_sender.stop(31)
+    raw_sender.end(31)
     msgs = raw_sender.messages()
     assert fin_count(msgs) == [] and retx_segments(msgs) == [sorted(lost)]
     raw_sender.send(grams[2])                    # 25 -> 26: still short
@@ -103,7 +103,6 @@ def test_h7_stop_requests_exactly_the_missing_segments(receiver, raw_sender):
     assert raw_sender.messages(0.05) == []
     raw_sender.send(grams[29])                   # 27 = ceil(0.9 * 30): FIN
     assert fin_count(raw_sender.messages()) == [27]
-    raw_sender.fin_confirm(31)
     assert receiver.wait(31, 5).retx_requests == 1
 
 
@@ -146,7 +145,7 @@ def test_h8_silent_receiver_gets_each_segment_once_then_timeout():
     x = grad(3500, 6)
     with DlcpSender(sink.getsockname(), listener.getsockname(), link_bps=None, timeout_s=0.6) as s:
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError, match="no FIN/RETX_REQ"):
+        with pytest.raises(TimeoutError, match="no STATUS"):
             s.send_tensor(60, x)
         assert time.monotonic() - t0 >= 0.55
     got = []
@@ -190,7 +189,7 @@ def test_h9_data_before_start_dropped_and_counted(receiver, raw_sender):
     for k in range(4, 10):
         raw_sender.send(grams[k])
     raw_sender.settle(until_udp=10)
-    raw_sender.stop(90)
+    raw_sender.end(90)
     assert retx_segments(raw_sender.messages()) == [[0, 1, 2, 3]]
 
 
@@ -313,3 +312,147 @@ def test_bad_input_refused_and_counted(receiver, raw_sender):
     with small, DlcpSender(small.udp_addr, small.tcp_addr) as s:
         with pytest.raises(DlcpError, match="raise max_values"):
             s.send_tensor(151, grad(5000))
+
+
+# --- the per-iteration exchange -------------------------------------------------------------
+def layer_tensors(first_id, sizes, seed=0):
+    return [TensorToSend(first_id + k, grad(n, seed + k), k) for k, n in enumerate(sizes)]
+
+
+def test_one_control_exchange_per_iteration(receiver):
+    """20 tensors: one ANNOUNCE, at most one END, one STATUS per iteration, not 4 per tensor."""
+    sizes = [350 * k + 17 for k in range(1, 21)]
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=2e8, policy=DlcpPolicy(),
+                    bounds=LossBounds(0.1, 0.1)) as s:
+        for it in range(2):
+            tensors = layer_tensors(1000 * (it + 1), sizes, seed=it)
+            stats = s.send_iteration(tensors, num_layers=20, iteration=it)
+            for t, st in zip(tensors, stats):
+                res = receiver.wait(t.tensor_id, 5)
+                got = np.repeat(res.received, 350)[:t.values.size]
+                assert np.array_equal(res.values[got], t.values[got])
+                assert res.delivered_fraction >= 0.9 and st.tensor_id == t.tensor_id
+                assert st.retx_requests == 0 and st.first_sent > 0
+    counts = receiver.control_counts
+    assert counts[MSG_ANNOUNCE] == 2 and counts.get(MSG_END, 0) <= 2
+    assert receiver.statuses_sent == 2 and set(counts) <= {MSG_ANNOUNCE, MSG_END}
+
+
+def test_status_lists_missing_only_below_the_bound(receiver, raw_sender):
+    """One STATUS for the iteration: a tensor within its bound asks for nothing."""
+    a, b = grad(100, 20), grad(100, 21)                  # 10 segments each
+    key = raw_sender.announce([(500, a.size, 0.2), (501, b.size, 0.2)])
+    ga, gb = raw_sender.datagrams(500, a), raw_sender.datagrams(501, b)
+    for k in range(10):
+        if k not in (3,):                                # a: 9 of 10, within p = 0.2
+            raw_sender.send(ga[k])
+        if k not in (1, 4, 7):                           # b: 7 of 10, need 8
+            raw_sender.send(gb[k])
+    raw_sender.settle(until_udp=16)
+    raw_sender.end(key, 16)
+    (done, entries), = raw_sender.messages()
+    assert not done
+    assert entries[500][0] == 9 and entries[500][1].tolist() == []
+    assert entries[501][0] == 7 and entries[501][1].tolist() == [1, 4, 7]
+    raw_sender.send(gb[4])                               # b reaches 8: the iteration is done
+    (done, entries), = raw_sender.messages()
+    assert done and entries[501][0] == 8
+    ra, rb = receiver.wait(500, 5), receiver.wait(501, 5)
+    assert (ra.retx_requests, rb.retx_requests) == (0, 1)
+    assert rb.fin_time >= ra.fin_time and rb.received_at_fin == 8
+
+
+def test_iteration_under_loss_retransmits_only_for_tensors_below_bound(receiver):
+    sizes = [3500, 7000, 350, 35_000]
+    with LossyRelay(receiver.udp_addr, random_loss(0.15, seed=5, first_only=True)) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.1)) as s:
+        tensors = layer_tensors(700, sizes)
+        stats = s.send_iteration(tensors)
+    for t, st in zip(tensors, stats):
+        res = receiver.wait(t.tensor_id, 5)
+        assert res.delivered_fraction >= 0.9
+        named = np.zeros(st.num_segments, np.int64)
+        for lst in st.retx_lists:
+            named[lst] += 1
+        assert (st.sends <= 1 + named).all()             # resent only when asked
+    assert relay.dropped and sum(st.retransmitted for st in stats) > 0
+    # one STATUS per round names every tensor that needs more; within-bound ones get none
+    assert all(len(st.retx_lists) <= st.stops for st in stats)
+    assert any(st.retx_requests == 0 for st in stats) or all(st.retx_lists for st in stats)
+
+
+def test_rate_state_carries_across_tensors_and_iterations(receiver):
+    """No restart from line rate: a halved rate paces the next iteration too."""
+    link = 4e7
+    x = np.ones(35_000, np.float32)                      # 100 full segments
+    ideal = 100 * (DATA_HEADER_LEN + 1400 + WIRE_OVERHEAD) * 8 / link
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=link, rate_control=False,
+                    bounds=LossBounds(0.0, 0.0)) as s:
+        s.rc.on_report(link, link / 4)                  # congested: rate halves
+        assert s.rc.rate_bps == link / 2
+        t = time.monotonic()
+        s.send_iteration([TensorToSend(800, x), TensorToSend(801, x)], iteration=0)
+        first = time.monotonic() - t
+        t = time.monotonic()
+        s.send_tensor(802, x, iteration=1)
+        second = time.monotonic() - t
+    for tid in (800, 801, 802):
+        receiver.wait(tid, 5)
+    assert s.rc.rate_bps == link / 2
+    assert first >= 0.9 * 2 * 2 * ideal and second >= 0.9 * 2 * ideal
+
+
+def test_announce_refusals_and_malformed_control(receiver, raw_sender):
+    with pytest.raises(ValueError, match="distinct"):
+        DlcpSender(receiver.udp_addr, receiver.tcp_addr).send_iteration(
+            [TensorToSend(1, grad(10)), TensorToSend(1, grad(10))])
+    raw_sender.ctrl.sendall(frame(MSG_ANNOUNCE, b"\x00\x00\x00\x07\x00\x00\x00\x05"))  # 5 entries promised, none there
+    raw_sender.ctrl.sendall(frame(99, b"\x00\x00\x00\x01"))
+    time.sleep(0.1)
+    assert receiver.malformed_control == 2
+    raw_sender.start(600, 100, 0.0)
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr) as s:
+        with pytest.raises(DlcpError, match="already in transfer"):
+            s.send_iteration([TensorToSend(601, grad(10)), TensorToSend(600, grad(10))])
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_datagram_core_reports_each_datagrams_tos(batched):
+    """host.datagram: recvmmsg (or the recvmsg loop) with IP_RECVTOS, per datagram."""
+    from host.datagram import DatagramSocket, PacketRows, mmsg_available
+    if batched and not mmsg_available():
+        pytest.skip("sendmmsg/recvmmsg not available here")
+    rx_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx_sock.bind(("127.0.0.1", 0))
+    tx_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx_sock.connect(rx_sock.getsockname())
+    rx = DatagramSocket(rx_sock, rx_rows=16, rx_width=64, batched=batched, rx_tos=True)
+    tx = DatagramSocket(tx_sock, rx_rows=1, rx_width=16, batched=batched)
+    tos = np.array([0x80, 0x82, 0x00, 0xC0, 0x9A, 0x81], np.uint8)
+    rows = np.arange(6 * 20, dtype=np.uint8).reshape(6, 20)
+    tx.send(PacketRows(rows, np.full(6, 20), tos), np.arange(6))
+    time.sleep(0.05)
+    n = rx.receive()
+    assert n == 6 and rx.rx_tos[:n].tolist() == tos.tolist()
+    assert (rx.rx_len[:n] == 20).all() and np.array_equal(rx.rx[:n, :20], rows)
+    tx.send(PacketRows(rows, np.full(6, 20), np.full(6, 0x88, np.uint8)), np.arange(2))
+    time.sleep(0.05)
+    assert rx.receive() == 2 and rx.rx_tos[:2].tolist() == [0x88, 0x88]   # setsockopt path
+    rx_sock.close(), tx_sock.close()
+
+
+def test_deficit_only_resends_meet_the_bound(receiver):
+    """retx_extra: a STATUS lists every missing segment, the sender resends only what the
+    bound needs (plus the margin), and the tensor still completes within its bound."""
+    x = grad(35_000, 30)                                 # 100 segments, p = 0.1 -> need 90
+    lost_first = lambda tid, off, length, seq, flags: (off // 350) % 4 == 0 and not flags & FLAG_RETX
+    with LossyRelay(receiver.udp_addr, lost_first) as relay, \
+            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=None, bounds=LossBounds(0.1, 0.1),
+                       retx_extra=0.0) as s:
+        st = s.send_tensor(900, x)
+        res = receiver.wait(900, 5)
+    assert len(st.retx_lists[0]) == 25                   # all 25 lost segments listed ...
+    assert st.retransmitted == 90 - 75                   # ... 15 resent: exactly the deficit
+    assert res.received.sum() == 90 and res.delivered_fraction >= 0.9
+    with pytest.raises(ValueError, match="retx_extra"):
+        DlcpSender(receiver.udp_addr, receiver.tcp_addr, retx_extra=-1)
