@@ -115,7 +115,7 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
                    values_per_packet: int = 1024, seed: int = 0,
                    start_timeout: float = 60.0,
                    pipeline_values: int = DEFAULT_PIPELINE_VALUES,
-                   error_domain: str = "rotated") -> THCHookState:
+                   error_domain: str = "rotated", loss_bound: float = 0.0) -> THCHookState:
     """Build the hook state on this worker (call after dist.init_process_group).
 
     aggregator: None for THC over dist.all_reduce(SUM) (gloo/NCCL, no switch), or the
@@ -127,7 +127,7 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     for every worker (the error names the missing rank); timeout: seconds without progress
     in an exchange before AggregatorTimeout. policy: the per-packet DSCP/ECN hook of the
     in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front buckets in higher
-    bands, packets of large rotated magnitude ECT); host.transport.default_policy turns
+    bands, the packets of RHT partitions of more than the median norm ECT); host.transport.default_policy turns
     marking off. pipeline_values: padded values per pipeline chunk of a large tensor
     (quantize the next chunk while this one is on the wire; 0 = whole tensors), the same
     on every worker. group: the process group of the control exchanges (default: one of
@@ -135,6 +135,12 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     collectives of your own on it while an exchange is pending. error_domain: where the
     error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
     "gradient" (the paper's order, the max-norm exchange overlaps the RHT).
+    loss_bound: DLCP's bounded loss p on the in-network path (0 = exact, the default): a
+    tensor may finish once (1 - p) of its chunks came back with every contributor; after
+    one re-request of the others (two retransmission timeouts) the rest decodes as zero
+    in the rotated domain, every worker agreeing on the same lost chunks first, and each
+    worker's own share of them goes back into its error feedback (docs/dlcp.md, "DLCP on
+    the in-network THC path").
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
@@ -158,7 +164,7 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
                                      start_timeout=start_timeout,
                                      pipeline_values=pipeline_values,
-                                     error_domain=error_domain))
+                                     error_domain=error_domain, loss_bound=loss_bound))
 
 
 def _worker_address_from_env(rank: int):
