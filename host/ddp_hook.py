@@ -30,8 +30,10 @@ from host.allreduce import (DEFAULT_PIPELINE_VALUES, AggregatorExchange, SumAllr
                             THCAllreduce)
 from host.dlcp.marking import DlcpPolicy
 from host.transport import AggregatorTransport, parse_address
+from thc.layout import DEFAULT_PARTITION_SIZE
 
 DEFAULT_POOL_SIZE = 256
+INNETWORK_PARTITION_SIZE = 1 << 14     # RHT partition of the default in-network codec
 
 
 class THCHookState:
@@ -123,12 +125,13 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     (ip, port) this worker binds, as installed in the aggregator's membership table
     (default: THC_WORKER_IP / THC_WORKER_PORT_BASE + rank from the environment, as under
     torchrun; else any port). codec: a thc.THCCodec identical on every worker
-    (default: b=4, g=30, p=1/32, this seed). start_timeout: seconds the first call waits
+    (default: b=4, g=30, p=1/32, this seed; RHT partitions of 2^14 values in-network, so
+    that DLCP can rank a bucket's partitions, else 2^20). start_timeout: seconds the first call waits
     for every worker (the error names the missing rank); timeout: seconds without progress
     in an exchange before AggregatorTimeout. policy: the per-packet DSCP/ECN hook of the
     in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front buckets in higher
-    bands, the packets of RHT partitions of more than the median norm ECT); host.transport.default_policy turns
-    marking off. pipeline_values: padded values per pipeline chunk of a large tensor
+    bands, every packet of an RHT partition whose RMS is above the median ECT);
+    host.transport.default_policy turns marking off. pipeline_values: padded values per pipeline chunk of a large tensor
     (quantize the next chunk while this one is on the wire; 0 = whole tensors), the same
     on every worker. group: the process group of the control exchanges (default: one of
     THC's own over all ranks, made at the first call); with a group of yours, issue no
@@ -144,7 +147,11 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
-    codec = codec or thc.THCCodec(seed=seed)
+    if codec is None:
+        # In-network, the DLCP marks rank RHT partitions: smaller ones than the codec's
+        # default, so that a bucket has several (docs/dlcp.md, the in-network section).
+        codec = thc.THCCodec(seed=seed, partition_size=DEFAULT_PARTITION_SIZE if aggregator
+                             is None else INNETWORK_PARTITION_SIZE)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if aggregator is None:
         exchange = SumAllreduceExchange(codec, group)

@@ -219,6 +219,9 @@ def partition_cost(grads, sizes=(1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 20),
         row = {"partition_size": ps, "partitions": codec.num_partitions(len(mean)),
                "nmse": float(np.sum((est - mean) ** 2) / np.sum(mean ** 2))}
         for name, x in (("model", grads[0]), ("large", big)):
+            codec.decode(codec.lookup(codec.compress(x, codec.partition_norms(x), worker=0,
+                                                     round=0, tensor=0)), 1,
+                         codec.partition_norms(x), len(x))          # compile, warm caches
             best = np.inf
             for r in range(repeats):
                 t0 = time.perf_counter()

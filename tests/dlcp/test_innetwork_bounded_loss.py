@@ -89,6 +89,14 @@ def _worker(rank, init, lossy, exact, queue):
         out["seconds"] = time.monotonic() - t0
         out["stats"] = dict(state.allreduce.loss_stats)
         out["missing"] = state.allreduce.last_missing.copy()
+        state.allreduce.exchange.transport.close()
+        # With error feedback (rotated domain), a lost chunk's own share is kept.
+        ef = thc_hook_state(aggregator=lossy, codec=codec, pool_size=64, timeout=10,
+                            values_per_packet=VPP, loss_bound=LOSS_BOUND)
+        ef.reduce(g, 0)
+        out["ef_error"] = np.asarray(ef.allreduce.error_feedback.error(0)).copy()
+        out["ef_missing"] = ef.allreduce.last_missing.copy()
+        out["rotated"] = np.asarray(codec.rotate(g.numpy()))
         queue.put((rank, out))
         dist.destroy_process_group()
     except Exception:
@@ -187,3 +195,16 @@ def test_only_partitions_with_a_lost_chunk_differ_from_the_exact_result(run):
     mean = np.mean([grad(r) for r in range(WORLD)], axis=0)
     nmse = float(np.sum((bounded - mean) ** 2) / np.sum(mean ** 2))
     assert nmse < 0.2, nmse
+
+
+def test_error_feedback_keeps_the_share_of_lost_chunks(run):
+    results, _ = run
+    for r in range(WORLD):
+        out = results[r]
+        lost = np.repeat(out["ef_missing"], VPP)[:len(out["rotated"])]
+        e, x = out["ef_error"], out["rotated"]
+        assert lost.any()
+        # Lost: the whole compensated value goes to the next round (x - q + q).
+        np.testing.assert_allclose(e[lost], x[lost], rtol=0, atol=1e-5 * np.abs(x).max())
+        # Delivered: only the quantization error stays.
+        assert np.linalg.norm(e[~lost]) < 0.3 * np.linalg.norm(x[~lost])

@@ -49,19 +49,20 @@ def gradient():
 
 
 def test_partition_marks_mean_something_on_the_main_jobs_gradient(gradient):
-    codec = thc.THCCodec(seed=0, partition_size=1 << 12)
-    m = marks(gradient, codec, values_per_packet=1024)
-    parts = m["partitions"]
-    # The rule's intent: the partitions above the median, i.e. half of them (+-1).
-    assert abs(m["partition_important"].sum() - parts // 2) <= 1
-    # ... and they hold most of the gradient's energy.
-    assert m["energy_important"] > 0.7
-    # The per-packet rule on rotated values is no better than a coin (issue 13: 72 %).
-    assert m["energy_important"] > m["energy_rotated_rule"] + 0.15
+    for size in (1 << 12, 1 << 14):
+        m = marks(gradient, thc.THCCodec(seed=0, partition_size=size), values_per_packet=1024)
+        # The rule's intent: the partitions above the median, i.e. half of them (+-1) ...
+        assert abs(m["partition_important"].sum() - m["partitions"] // 2) <= 1
+        # ... and they hold most of the gradient's energy.
+        assert m["energy_important"] > 0.7
+    # The per-packet rule on rotated values: with several packets per partition it marks
+    # (nearly) everything ECT, so a DLCP switch has nothing to drop selectively.
+    assert m["packets_ect_rotated_rule"] > 0.95
 
 
 def test_selective_drops_cost_less_than_random_drops(gradient):
     codec = thc.THCCodec(seed=0, partition_size=1 << 12)
     res = drop_experiment(gradient, codec, values_per_packet=1024, drop_fraction=0.2,
-                          trials=3)
-    assert res["selective_nmse"] < 0.6 * res["random_nmse"], res
+                          trials=4)
+    assert res["selective_nmse"] < 0.75 * res["random_nmse"], res
+    assert res["lossless_nmse"] < res["selective_nmse"]
