@@ -209,11 +209,12 @@ class _AggregatorStream:
     def ready(self, hi: int) -> bool:
         return self.stream.values_done() >= hi
 
-    def settle(self, loss_bound: float) -> np.ndarray:
+    def settle(self, loss_bound: float, wait_rto: float = 2.0) -> np.ndarray:
         """Bounded loss: wait until at least (1 - loss_bound) of the tensor's chunks came
         back with the full contributor set, then re-request every missing chunk at once
         (a retransmitted DATA is re-served when its round completed, protocol.md §4.2)
-        and give it two retransmission timeouts; give up what is still missing.
+        and give them wait_rto retransmission timeouts (0: none, DLCP's immediate
+        finish); give up what is still missing.
 
         Returns this worker's missing chunks (bool per chunk): not back, or back with
         fewer contributors than the job has. The deadline is noticed at the exchange
@@ -231,12 +232,14 @@ class _AggregatorStream:
                 return False
             now = time.monotonic()
             if "end" not in grace:
+                if wait_rto == 0:
+                    return True
                 late = ~ex.done & ex.sent
                 ex.deadline[late] = now
                 # As after a stall: every expired chunk goes out at once, no loss evidence
                 # needed (host.transport._Exchange.expired).
                 ex.last_progress = now - transport.timer.rto
-                grace["end"] = now + 2 * transport.timer.rto
+                grace["end"] = now + wait_rto * transport.timer.rto
             return now >= grace["end"]
         stream.wait_until(enough)
         with stream.lock:
@@ -360,7 +363,8 @@ class THCAllreduce:
 
     def __init__(self, codec, exchange, *, group=None, error_feedback: bool = True,
                  start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES,
-                 error_domain: str = "rotated", loss_bound: float = 0.0):
+                 error_domain: str = "rotated", loss_bound: float = 0.0,
+                 loss_wait: float = 2.0):
         if not dist.is_initialized():
             raise RuntimeError("THCAllreduce needs torch.distributed initialized "
                                "(dist.init_process_group) for the norm exchange")
@@ -373,9 +377,12 @@ class THCAllreduce:
         if not 0.0 <= loss_bound < 1.0:
             raise ValueError(f"loss_bound must be in [0, 1) (the fraction of a tensor's chunks "
                              f"that may be decoded as lost; 0 = exact), got {loss_bound}")
+        if loss_wait < 0:
+            raise ValueError(f"loss_wait must be >= 0 retransmission timeouts, got {loss_wait}")
         self.codec = codec
         self.exchange = exchange
         self.group = group
+        self.loss_wait = float(loss_wait)
         # Bounded loss applies where packets can be lost: the in-network path.
         self.loss_bound = float(loss_bound) if exchange.name == "aggregator" else 0.0
         self.loss_stats = {"tensors": 0, "chunks": 0, "missing_here": 0, "missing_agreed": 0}
@@ -394,6 +401,7 @@ class THCAllreduce:
         # ("exchange") and on the control and norm exchanges ("norms").
         self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0}
         self.control_bytes = 0
+        self.call_seconds: list[float] = []    # each call's time (tail latency)
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None
@@ -485,6 +493,7 @@ class THCAllreduce:
             stream.close()
             raise
         self.seconds["total"] += time.perf_counter() - t_start
+        self.call_seconds.append(time.perf_counter() - t_start)
         return mean.to(tensor.dtype).reshape(tensor.shape)
 
     def chunk_ranges(self, d: int) -> list[tuple[int, int]]:
@@ -532,7 +541,7 @@ class THCAllreduce:
         if self.loss_bound:
             # Decode only once every worker knows the same missing set.
             t0 = time.perf_counter()
-            missing = self._agree_missing(stream.settle(self.loss_bound))
+            missing = self._agree_missing(stream.settle(self.loss_bound, self.loss_wait))
             self.seconds["exchange"] += time.perf_counter() - t0
             for chunk in in_flight:
                 self._decode(stream, chunk, key, mean, missing)

@@ -117,7 +117,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
                    values_per_packet: int = 1024, seed: int = 0,
                    start_timeout: float = 60.0,
                    pipeline_values: int = DEFAULT_PIPELINE_VALUES,
-                   error_domain: str = "rotated", loss_bound: float = 0.0) -> THCHookState:
+                   error_domain: str = "rotated", loss_bound: float = 0.0,
+                   loss_wait: float = 2.0) -> THCHookState:
     """Build the hook state on this worker (call after dist.init_process_group).
 
     aggregator: None for THC over dist.all_reduce(SUM) (gloo/NCCL, no switch), or the
@@ -140,7 +141,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     "gradient" (the paper's order, the max-norm exchange overlaps the RHT).
     loss_bound: DLCP's bounded loss p on the in-network path (0 = exact, the default): a
     tensor may finish once (1 - p) of its chunks came back with every contributor; after
-    one re-request of the others (two retransmission timeouts) the rest decodes as zero
+    one re-request of the others and loss_wait retransmission timeouts (default 2; 0 =
+    finish at once, as DLCP's receiver does) the rest decodes as zero
     in the rotated domain, every worker agreeing on the same lost chunks first, and each
     worker's own share of them goes back into its error feedback (docs/dlcp.md, "DLCP on
     the in-network THC path").
@@ -171,7 +173,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
                                      start_timeout=start_timeout,
                                      pipeline_values=pipeline_values,
-                                     error_domain=error_domain, loss_bound=loss_bound))
+                                     error_domain=error_domain, loss_bound=loss_bound,
+                                     loss_wait=loss_wait))
 
 
 def _worker_address_from_env(rank: int):

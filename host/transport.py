@@ -368,6 +368,11 @@ class AggregatorTransport:
         late = ex.expired(now, self.timer.rto)
         if len(late):
             stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
+            if getattr(self.policy, "ect_retransmissions", False):
+                # A chunk that was lost once goes out ECT: a DLCP queue marks it instead
+                # of dropping it again (a second loss would cost a backed-off timeout).
+                tos = stream.packets.tos
+                tos[late] = np.where(tos[late] & 3 == 0, tos[late] | 2, tos[late])
             self._send(stream.packets, late)
             ex.mark_retransmitted(late, now, self.timer)
             self.stats.retransmissions += len(late)

@@ -294,17 +294,44 @@ def plot(result, path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m host.dlcp.innetwork",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--partition-size", type=int, default=PARTITION_SIZE)
-    ap.add_argument("--drop-fractions", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
-    ap.add_argument("--train-drop-fractions", type=float, nargs="+", default=[0.2])
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--plot", help="save a plot here (PNG)")
+    sub = ap.add_subparsers(dest="study")
+    codec_ap = sub.add_parser("codec", help="marks, drops, training, partition cost (default)")
+    codec_ap.add_argument("--hidden", type=int, default=256)
+    codec_ap.add_argument("--seed", type=int, default=0)
+    codec_ap.add_argument("--partition-size", type=int, default=PARTITION_SIZE)
+    codec_ap.add_argument("--drop-fractions", type=float, nargs="+",
+                          default=[0.05, 0.1, 0.2, 0.3])
+    codec_ap.add_argument("--train-drop-fractions", type=float, nargs="+", default=[0.2])
+    codec_ap.add_argument("--steps", type=int, default=150)
+    codec_ap.add_argument("--trials", type=int, default=5)
+    incast_ap = sub.add_parser("incast", help="THC incast through the DPDK switch (root)")
+    from host.dlcp import innetwork_incast
+    innetwork_incast.add_arguments(incast_ap)
+    for a in (codec_ap, incast_ap):
+        a.add_argument("--json", help="write the results here")
+        a.add_argument("--plot", help="save a plot here (PNG)")
+    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    if not argv or argv[0] not in ("codec", "incast", "-h", "--help"):
+        argv = ["codec"] + argv
     args = ap.parse_args(argv)
-    result = run(args)
+    if args.study == "incast":
+        result = innetwork_incast.run(args)
+        print(_table(result["runs"], ["mode", "calls", "call_ms_median", "call_ms_p99",
+                                      "call_ms_max", "selective_drops", "buffer_drops",
+                                      "ce_marked", "chunks_lost", "retransmissions",
+                                      "test_acc"]))
+    else:
+        result = run(args)
+        _print_codec(result)
+    print("load average:", " ".join(f"{x:.2f}" for x in result["load_average"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        (plot if args.study != "incast" else innetwork_incast.plot)(result, args.plot)
+
+
+def _print_codec(result) -> None:
     mk = result["marks"]
     print(f"marks (partition {mk['partition_size']}, {mk['partitions']} partitions, "
           f"{mk['packets']} packets): partition rule {mk['packets_ect']:.0%} of packets ECT "
@@ -316,12 +343,6 @@ def main(argv=None) -> None:
     print(_table(result["train"], ["mode", "drop_fraction", "lost_packets", "final_test_acc"]))
     print(_table(result["partition_cost"], ["partition_size", "partitions", "nmse",
                                             "ms_model", "ms_large"]))
-    print("load average:", " ".join(f"{x:.2f}" for x in result["load_average"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.plot:
-        plot(result, args.plot)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,7 @@ class DlcpPolicy:
     traffic (partition_norms given) importance is per RHT partition, else per packet.
     """
     marks_partitions = True         # the transport passes partition norms on THC traffic
+    ect_retransmissions = True      # the in-network transport resends lost chunks ECT
     enabled: bool = True
     mark_importance: bool = True
     num_bands: int = NUM_DATA_BANDS
