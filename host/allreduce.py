@@ -184,6 +184,7 @@ class _AggregatorStream:
     def __init__(self, exchange: AggregatorExchange, stream):
         self.exchange, self.stream = exchange, stream
         self.packed = {}                 # lo -> this worker's packed range (for give-ups)
+        self.first_tos = []              # the ToS each chunk was first sent with
         # The rotated values only matter to a DLCP policy; skip the copy (GPU -> host) else.
         self.wants_values = exchange.transport.policy is not default_policy
 
@@ -202,6 +203,8 @@ class _AggregatorStream:
             rotated = None
         values = _to_numpy(rotated) if rotated is not None and self.wants_values else None
         self.stream.submit(packed_np, hi - lo, values=values, **marks)
+        vpp = self.exchange.transport.vpp
+        self.first_tos.append(self.stream.packets.tos[lo // vpp: -(-hi // vpp)].copy())
 
     def pump(self) -> None:
         self.stream.pump()
@@ -542,10 +545,18 @@ class THCAllreduce:
             # Decode only once every worker knows the same missing set.
             t0 = time.perf_counter()
             missing = self._agree_missing(stream.settle(self.loss_bound, self.loss_wait))
+            self._count_lost_marks(missing, np.concatenate(stream.first_tos))
             self.seconds["exchange"] += time.perf_counter() - t0
             for chunk in in_flight:
                 self._decode(stream, chunk, key, mean, missing)
         stream.finish()
+
+    def _count_lost_marks(self, missing, tos) -> None:
+        """loss_stats["lost_marks"]: agreed lost chunks by (DSCP, ECN) of first sending."""
+        marks = self.loss_stats.setdefault("lost_marks", {})
+        for t in tos[missing[:len(tos)]]:
+            name = f"dscp{int(t) >> 2}/{'ect' if int(t) & 3 else 'not-ect'}"
+            marks[name] = marks.get(name, 0) + 1
 
     def _agree_missing(self, missing: np.ndarray) -> np.ndarray:
         """The union of every worker's missing chunks (one MAX exchange of a byte per

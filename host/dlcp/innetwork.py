@@ -167,12 +167,11 @@ def drop_experiment(grads, codec, values_per_packet: int = VALUES_PER_PACKET,
 # --------------------------------------------------------------------------- training
 
 def train(mode: str, *, drop_fraction: float, steps: int, hidden: int = 256, seed: int = 0,
-          batch: int = 32, lr: float = 0.05, partition_size: int = PARTITION_SIZE,
+          batch: int = 32, lr: float = 0.02, partition_size: int = PARTITION_SIZE,
           values_per_packet: int = VALUES_PER_PACKET, workers: int = WORKERS) -> dict:
     """The main job's training, THC-averaged with drop_fraction of the packets lost every
     step: mode "selective" (Not-ECT first), "random", or "none" (no loss)."""
     import torch
-    import torch.nn.functional as F
     model, (xs, ys), (xte, yte) = _model_and_data(hidden, seed)
     codec = thc.THCCodec(seed=seed, partition_size=partition_size)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -301,9 +300,9 @@ def main(argv=None) -> None:
     codec_ap.add_argument("--partition-size", type=int, default=PARTITION_SIZE)
     codec_ap.add_argument("--drop-fractions", type=float, nargs="+",
                           default=[0.05, 0.1, 0.2, 0.3])
-    codec_ap.add_argument("--train-drop-fractions", type=float, nargs="+", default=[0.2])
-    codec_ap.add_argument("--steps", type=int, default=150)
-    codec_ap.add_argument("--trials", type=int, default=5)
+    codec_ap.add_argument("--train-drop-fractions", type=float, nargs="+", default=[0.3])
+    codec_ap.add_argument("--steps", type=int, default=60)
+    codec_ap.add_argument("--trials", type=int, default=20)
     incast_ap = sub.add_parser("incast", help="THC incast through the DPDK switch (root)")
     from host.dlcp import innetwork_incast
     innetwork_incast.add_arguments(incast_ap)

@@ -178,6 +178,7 @@ def summarize(mode, results, stats, port, wall) -> dict:
         "buffer_drops": g.get("dlcp_buffer_drop", 0), "ce_marked": g.get("dlcp_ce_marked", 0),
         "bottleneck_port": port_stats,
         "chunks": loss[0]["chunks"], "chunks_lost": loss[0]["missing_agreed"],
+        "lost_marks": loss[0].get("lost_marks", {}),
         "retransmissions": int(sum(results[r]["transport"]["retransmissions"]
                                    for r in results)),
         "packets_sent": int(sum(results[r]["transport"]["packets_sent"] for r in results)),
@@ -189,10 +190,10 @@ def summarize(mode, results, stats, port, wall) -> dict:
 
 def add_arguments(ap) -> None:
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rate-pps", type=float, default=20000.0,
                     help="service rate of the aggregator's switch port (packets/s)")
-    ap.add_argument("--threshold", type=float, default=8.0, help="DLCP T (packets)")
+    ap.add_argument("--threshold", type=float, default=24.0, help="DLCP T (packets)")
     ap.add_argument("--threshold-step", type=float, default=0.5, help="DLCP d")
     ap.add_argument("--capacity", type=int, default=64, help="packets per (port, queue)")
     ap.add_argument("--pool", type=int, default=32, help="slot pool = window per worker")
@@ -205,7 +206,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss-bound", type=float, default=0.1)
-    ap.add_argument("--loss-wait", type=float, default=2.0,
+    ap.add_argument("--loss-wait", type=float, default=0.0,
                     help="retransmission timeouts to wait for the missing chunks")
     ap.add_argument("--run-timeout", type=float, default=300.0)
 
