@@ -78,11 +78,13 @@ def _worker(rank, cfg, queue):
             F.cross_entropy(model(xs[idx]), ys[idx]).backward()
             opt.step()
         with torch.no_grad():
-            acc = float((model.module(torch.from_numpy(xte)).argmax(1)
-                         == torch.from_numpy(yte)).float().mean())
+            logits = model.module(torch.from_numpy(xte))
+            acc = float((logits.argmax(1) == torch.from_numpy(yte)).float().mean())
+            test_loss = float(F.cross_entropy(logits, torch.from_numpy(yte)))
         ar = state.allreduce
         out = {"call_seconds": ar.call_seconds, "loss_stats": dict(ar.loss_stats),
                "transport": ar.exchange.transport.stats.as_dict(), "test_acc": acc,
+               "test_loss": test_loss,
                "buckets": len(state.bucket_sizes)}
         ar.exchange.transport.close()
         dist.barrier()
@@ -92,7 +94,7 @@ def _worker(rank, cfg, queue):
         queue.put((rank, {"crash": traceback.format_exc()}))
 
 
-def _no_offloads(tb) -> None:
+def disable_offloads(tb) -> None:
     """Plain MTU-sized frames on every veth (the switch's af_packet rings take no TSO/GRO
     super-frames)."""
     for h in tb.hosts:
@@ -113,7 +115,7 @@ def run_mode(mode: str, args) -> dict:
     from host.dlcp.dpdk_bottleneck import NetnsTestbed, in_netns
     world = args.workers
     with NetnsTestbed(num_senders=world, tag=f"ic{os.getpid() % 10000}") as tb:
-        _no_offloads(tb)
+        disable_offloads(tb)
         agg_host = tb.receiver
         members = [Member(worker=w, port=w, mac=h.mac, ip=h.ip, udp_port=WORKER_UDP_PORT)
                    for w, h in enumerate(tb.senders)]
@@ -182,7 +184,8 @@ def summarize(mode, results, stats, port, wall) -> dict:
         "retransmissions": int(sum(results[r]["transport"]["retransmissions"]
                                    for r in results)),
         "packets_sent": int(sum(results[r]["transport"]["packets_sent"] for r in results)),
-        "test_acc": results[0]["test_acc"], "buckets": results[0]["buckets"],
+        "test_acc": results[0]["test_acc"], "test_loss": results[0]["test_loss"],
+        "buckets": results[0]["buckets"],
         "identical_loss_stats": all(s["missing_agreed"] == loss[0]["missing_agreed"]
                                     for s in loss),
     }
