@@ -127,25 +127,25 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     (default: THC_WORKER_IP / THC_WORKER_PORT_BASE + rank from the environment, as under
     torchrun; else any port). codec: a thc.THCCodec identical on every worker
     (default: b=4, g=30, p=1/32, this seed; RHT partitions of 2^14 values in-network, so
-    that DLCP can rank a bucket's partitions, else 2^20). start_timeout: seconds the first call waits
-    for every worker (the error names the missing rank); timeout: seconds without progress
-    in an exchange before AggregatorTimeout. policy: the per-packet DSCP/ECN hook of the
-    in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front buckets in higher
-    bands, every packet of an RHT partition whose RMS is above the median ECT);
-    host.transport.default_policy turns marking off. pipeline_values: padded values per pipeline chunk of a large tensor
-    (quantize the next chunk while this one is on the wire; 0 = whole tensors), the same
-    on every worker. group: the process group of the control exchanges (default: one of
-    THC's own over all ranks, made at the first call); with a group of yours, issue no
-    collectives of your own on it while an exchange is pending. error_domain: where the
-    error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
+    that DLCP can rank a bucket's partitions, else 2^20). start_timeout: seconds the first
+    call waits for every worker (the error names the missing rank); timeout: seconds
+    without progress in an exchange before AggregatorTimeout. policy: the per-packet
+    DSCP/ECN hook of the in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front
+    buckets in higher bands, every packet of an RHT partition whose RMS is above the
+    median ECT); host.transport.default_policy turns marking off. pipeline_values: padded
+    values per pipeline chunk of a large tensor (quantize the next chunk while this one is
+    on the wire; 0 = whole tensors), the same on every worker. group: the process group of
+    the control exchanges (default: one of THC's own over all ranks, made at the first
+    call); with a group of yours, issue no collectives of your own on it while an
+    exchange is pending. error_domain: where the error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
     "gradient" (the paper's order, the max-norm exchange overlaps the RHT).
     loss_bound: DLCP's bounded loss p on the in-network path (0 = exact, the default): a
     tensor may finish once (1 - p) of its chunks came back with every contributor; after
     one re-request of the others and loss_wait retransmission timeouts (default 2; 0 =
-    finish at once, as DLCP's receiver does) the rest decodes as zero
-    in the rotated domain, every worker agreeing on the same lost chunks first, and each
-    worker's own share of them goes back into its error feedback (docs/dlcp.md, "DLCP on
-    the in-network THC path").
+    finish at once, as DLCP's receiver does) the rest decodes as zero in the rotated
+    domain, every worker agreeing on the same lost chunks first, and each worker's own
+    share of them goes back into its error feedback (docs/dlcp.md, "DLCP on the
+    in-network THC path").
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")

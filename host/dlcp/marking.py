@@ -166,7 +166,6 @@ class DlcpPolicy:
     traffic (partition_norms given) importance is per RHT partition, else per packet.
     """
     marks_partitions = True         # the transport passes partition norms on THC traffic
-    ect_retransmissions = True      # the in-network transport resends lost chunks ECT
     enabled: bool = True
     mark_importance: bool = True
     num_bands: int = NUM_DATA_BANDS
@@ -185,6 +184,11 @@ class DlcpPolicy:
         if self.important_ecn not in (ECN_ECT0, ECN_ECT1):
             raise ValueError("DlcpPolicy: important_ecn must be ECT(0)=2 or ECT(1)=1")
         self.rng = np.random.default_rng(self.seed)
+
+    @property
+    def ect_retransmissions(self) -> bool:
+        """The in-network transport resends a lost chunk ECT (marked, not dropped again)."""
+        return self.enabled and self.mark_importance
 
     def __call__(self, *, layer: int, num_layers: int, values: np.ndarray,
                  values_per_packet: int, num_packets: int, partition_norms=None,
