@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import subprocess
 import time
 import traceback
@@ -221,12 +220,6 @@ def run(args) -> dict:
         raise SystemExit(f"cannot run the incast evaluation: {why}")
     runs = [run_mode(mode, args) for mode in ("dlcp", "off")]
     return {"runs": runs, "load_average": os.getloadavg(), "args": vars(args)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot(result, path) -> None:
