@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 import thc
 from host.transport import default_policy
+from thc.layout import Layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
@@ -183,14 +184,27 @@ class _AggregatorStream:
     def __init__(self, exchange: AggregatorExchange, stream):
         self.exchange, self.stream = exchange, stream
         self.packed = {}                 # lo -> this worker's packed range (for give-ups)
+        self.first_tos = []              # the ToS each chunk was first sent with
         # The rotated values only matter to a DLCP policy; skip the copy (GPU -> host) else.
         self.wants_values = exchange.transport.policy is not default_policy
 
-    def submit(self, lo: int, hi: int, packed, rotated) -> None:
+    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
+        """Padded values [lo, hi) of the tensor; max_norms: the agreed L2 norms of their
+        RHT partitions (what a DLCP policy ranks, see host.dlcp.marking)."""
         packed_np = _to_numpy(packed)
         self.packed[lo] = packed_np
+        policy = self.exchange.transport.policy
+        marks = {}
+        if max_norms is not None and getattr(policy, "marks_partitions", False):
+            # The norms decide importance; the rotated values are not needed (no copy).
+            layout = Layout.from_padded(hi - lo, self.exchange.codec.partition_size)
+            marks = {"partition_norms": _to_numpy(max_norms),
+                     "partition_sizes": layout.sizes()}
+            rotated = None
         values = _to_numpy(rotated) if rotated is not None and self.wants_values else None
-        self.stream.submit(packed_np, hi - lo, values=values)
+        self.stream.submit(packed_np, hi - lo, values=values, **marks)
+        vpp = self.exchange.transport.vpp
+        self.first_tos.append(self.stream.packets.tos[lo // vpp: -(-hi // vpp)].copy())
 
     def pump(self) -> None:
         self.stream.pump()
@@ -198,9 +212,57 @@ class _AggregatorStream:
     def ready(self, hi: int) -> bool:
         return self.stream.values_done() >= hi
 
-    def result(self, lo: int, hi: int):
-        """(sums, counts) of padded values [lo, hi), waiting for them."""
+    def settle(self, loss_bound: float, wait_rto: float = 2.0) -> np.ndarray:
+        """Bounded loss: wait until at least (1 - loss_bound) of the tensor's chunks came
+        back with the full contributor set, then re-request every missing chunk at once
+        (a retransmitted DATA is re-served when its round completed, protocol.md §4.2)
+        and give them wait_rto retransmission timeouts (0: none, DLCP's immediate
+        finish); give up what is still missing.
+
+        Returns this worker's missing chunks (bool per chunk): not back, or back with
+        fewer contributors than the job has. The deadline is noticed at the exchange
+        loop's next wake-up (an arrival or a retransmission timer)."""
+        stream, transport = self.stream, self.exchange.transport
+        ex = stream.ex
+        members = bin(transport.expected).count("1")
+        need = math.ceil((1.0 - loss_bound) * ex.n_chunks)
+        grace = {}
+
+        def enough() -> bool:
+            if ex.all_done():
+                return True
+            if np.count_nonzero(ex.done & (ex.counts == members)) < need:
+                return False
+            now = time.monotonic()
+            if "end" not in grace:
+                if wait_rto == 0:
+                    return True
+                late = ~ex.done & ex.sent
+                ex.deadline[late] = now
+                # As after a stall: every expired chunk goes out at once, no loss evidence
+                # needed (host.transport._Exchange.expired).
+                ex.last_progress = now - transport.timer.rto
+                grace["end"] = now + wait_rto * transport.timer.rto
+            return now >= grace["end"]
+        stream.wait_until(enough)
+        with stream.lock:
+            ex.give_up(np.flatnonzero(~ex.done))
+            return ~(ex.done & (ex.counts == members))
+
+    def result(self, lo: int, hi: int, missing=None):
+        """(sums, counts) of padded values [lo, hi), waiting for them. missing: the
+        chunks every worker agreed to treat as lost (bool per chunk of the tensor): their
+        count is 0, which the codec decodes to 0 in the rotated domain."""
         self.stream.wait_values(hi)
+        if missing is not None:
+            self.packed.pop(lo, None)
+            vpp = self.exchange.transport.vpp
+            lost = np.repeat(np.asarray(missing, bool), vpp)[lo:hi]
+            counts = self.stream.counts(lo, hi)
+            if not lost.any():
+                return self.stream.sums[lo:hi], counts
+            per_value = np.broadcast_to(np.asarray(counts), (hi - lo,))
+            return self.stream.sums[lo:hi], np.where(lost, 0, per_value)
         sums, counts = self.stream.sums[lo:hi], self.stream.counts(lo, hi)
         if not np.isscalar(counts) and (np.asarray(counts) == 0).any():
             # Chunks given up after a straggler notice: use this worker's own values there.
@@ -257,7 +319,7 @@ class _SumStream:
         self.exchange = exchange
         self.pending = {}                # lo -> (hi, lanes, work)
 
-    def submit(self, lo: int, hi: int, packed, rotated) -> None:
+    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
         ex = self.exchange
         lanes = torch.as_tensor(ex.codec.lookup(packed)).to(ex.lane_dtype)
         if isinstance(packed, torch.Tensor):
@@ -304,7 +366,8 @@ class THCAllreduce:
 
     def __init__(self, codec, exchange, *, group=None, error_feedback: bool = True,
                  start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES,
-                 error_domain: str = "rotated"):
+                 error_domain: str = "rotated", loss_bound: float = 0.0,
+                 loss_wait: float = 2.0):
         if not dist.is_initialized():
             raise RuntimeError("THCAllreduce needs torch.distributed initialized "
                                "(dist.init_process_group) for the norm exchange")
@@ -314,9 +377,19 @@ class THCAllreduce:
         if error_domain not in ("rotated", "gradient"):
             raise ValueError(f"error_domain must be 'rotated' or 'gradient', got "
                              f"{error_domain!r}")
+        if not 0.0 <= loss_bound < 1.0:
+            raise ValueError(f"loss_bound must be in [0, 1) (the fraction of a tensor's chunks "
+                             f"that may be decoded as lost; 0 = exact), got {loss_bound}")
+        if loss_wait < 0:
+            raise ValueError(f"loss_wait must be >= 0 retransmission timeouts, got {loss_wait}")
         self.codec = codec
         self.exchange = exchange
         self.group = group
+        self.loss_wait = float(loss_wait)
+        # Bounded loss applies where packets can be lost: the in-network path.
+        self.loss_bound = float(loss_bound) if exchange.name == "aggregator" else 0.0
+        self.loss_stats = {"tensors": 0, "chunks": 0, "missing_here": 0, "missing_agreed": 0}
+        self.last_missing = None               # the last tensor's agreed lost chunks
         self._own_group = group is None and dist.get_world_size() > 1
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -331,6 +404,7 @@ class THCAllreduce:
         # ("exchange") and on the control and norm exchanges ("norms").
         self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0}
         self.control_bytes = 0
+        self.call_seconds: list[float] = []    # each call's time (tail latency)
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None
@@ -422,6 +496,7 @@ class THCAllreduce:
             stream.close()
             raise
         self.seconds["total"] += time.perf_counter() - t_start
+        self.call_seconds.append(time.perf_counter() - t_start)
         return mean.to(tensor.dtype).reshape(tensor.shape)
 
     def chunk_ranges(self, d: int) -> list[tuple[int, int]]:
@@ -459,13 +534,46 @@ class THCAllreduce:
             chunk.packed = self.codec.quantize(chunk.rotated, max_norms, worker=self.rank,
                                                round=rnd, tensor=key + k * CHUNK_KEY_STRIDE,
                                                error_out=chunk.error_out)
-            stream.submit(*chunk.padded, chunk.packed, chunk.rotated)
+            stream.submit(*chunk.padded, chunk.packed, chunk.rotated, max_norms)
             chunk.rotated = None
             in_flight.append(chunk)
             last = k + 1 == len(ranges)
-            while in_flight and (last or stream.ready(in_flight[0].padded[1])):
+            while in_flight and not self.loss_bound and \
+                    (last or stream.ready(in_flight[0].padded[1])):
                 self._decode(stream, in_flight.pop(0), key, mean)
+        if self.loss_bound:
+            # Decode only once every worker knows the same missing set.
+            t0 = time.perf_counter()
+            missing = self._agree_missing(stream.settle(self.loss_bound, self.loss_wait))
+            self._count_lost_marks(missing, np.concatenate(stream.first_tos))
+            self.seconds["exchange"] += time.perf_counter() - t0
+            for chunk in in_flight:
+                self._decode(stream, chunk, key, mean, missing)
         stream.finish()
+
+    def _count_lost_marks(self, missing, tos) -> None:
+        """loss_stats["lost_marks"]: agreed lost chunks by (DSCP, ECN) of first sending."""
+        marks = self.loss_stats.setdefault("lost_marks", {})
+        for t in tos[missing[:len(tos)]]:
+            name = f"dscp{int(t) >> 2}/{'ect' if int(t) & 3 else 'not-ect'}"
+            marks[name] = marks.get(name, 0) + 1
+
+    def _agree_missing(self, missing: np.ndarray) -> np.ndarray:
+        """The union of every worker's missing chunks (one MAX exchange of a byte per
+        chunk over the process group, the control channel): a chunk that any worker lacks
+        is decoded as lost by all, so every worker decodes the same result."""
+        mine = torch.from_numpy(np.ascontiguousarray(missing, dtype=np.uint8))
+        agreed = mine.clone()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        self.control_bytes += agreed.numel()
+        agreed = agreed.numpy().astype(bool)
+        self.last_missing = agreed
+        st = self.loss_stats
+        st["tensors"] += 1
+        st["chunks"] += len(agreed)
+        st["missing_here"] += int(missing.sum())
+        st["missing_agreed"] += int(agreed.sum())
+        return agreed
 
     def _prepare(self, flat, key, rng, padded_total: int) -> "_Chunk":
         """One chunk's values, norms and RHT; its norm exchange runs during the RHT
@@ -495,19 +603,36 @@ class THCAllreduce:
         x = ef.compensate_range(key, flat, lo, hi) if ef is not None else flat[lo:hi]
         return _Chunk(rng, x, None, self.codec.partition_norms(x))
 
-    def _decode(self, stream, chunk: "_Chunk", key, mean) -> None:
+    def _decode(self, stream, chunk: "_Chunk", key, mean, missing=None) -> None:
         t0 = time.perf_counter()
-        sums, counts = stream.result(*chunk.padded)
+        if missing is None:
+            sums, counts = stream.result(*chunk.padded)
+        else:
+            sums, counts = stream.result(*chunk.padded, missing=missing)
         self.seconds["exchange"] += time.perf_counter() - t0
         max_norms = chunk.max_norms
+        lost = None
+        if missing is not None and not np.isscalar(counts):
+            lost = np.asarray(counts) == 0
+            if isinstance(chunk.x, torch.Tensor) and chunk.x.is_cuda:
+                counts = torch.as_tensor(np.asarray(counts)).to(chunk.x.device)
         if isinstance(chunk.x, torch.Tensor) and chunk.x.is_cuda:
             sums = torch.as_tensor(np.asarray(sums) if not isinstance(sums, torch.Tensor)
                                    else sums).to(chunk.x.device)
         n = chunk.hi - chunk.lo
         self.codec.decode(sums, counts, max_norms, n, out=mean[chunk.lo:chunk.hi])
+        if lost is not None and self.error_feedback and self.error_feedback.rotated:
+            # What was lost is not dropped: this worker's quantized values there go back
+            # into its error, so the next round carries them (as error feedback does for
+            # sparsification). In the gradient domain the same follows from "own" below.
+            own = self.codec.dequantize(chunk.packed, max_norms)
+            _add_where(chunk.error_out, own, lost)
         if self.error_feedback and not self.error_feedback.rotated:
             # e = x - RHT^-1(own quantized values), in the gradient's domain.
-            own = self.codec.inverse_rotate(self.codec.dequantize(chunk.packed, max_norms), n)
+            own = self.codec.dequantize(chunk.packed, max_norms)
+            if lost is not None:
+                own = _zero_where(own, lost)
+            own = self.codec.inverse_rotate(own, n)
             self.error_feedback.update_range(key, chunk.lo, chunk.x, _as_torch(own, mean.device),
                                              len(mean))
 
@@ -697,6 +822,25 @@ def _as_torch(x, device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.to(device)
     return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+
+def _add_where(dst, src, mask: np.ndarray) -> None:
+    """dst[mask] += src[mask] in place (numpy or torch, any device)."""
+    if isinstance(dst, torch.Tensor):
+        m = torch.from_numpy(mask).to(dst.device)
+        dst[m] += _as_torch(src, dst.device)[m]
+    else:
+        dst[mask] += np.asarray(src)[mask]
+
+
+def _zero_where(x, mask: np.ndarray):
+    if isinstance(x, torch.Tensor):
+        x = x.clone()
+        x[torch.from_numpy(mask).to(x.device)] = 0
+        return x
+    x = np.array(x, copy=True)
+    x[mask] = 0
+    return x
 
 
 def _to_numpy(x) -> np.ndarray:

@@ -30,8 +30,10 @@ from host.allreduce import (DEFAULT_PIPELINE_VALUES, AggregatorExchange, SumAllr
                             THCAllreduce)
 from host.dlcp.marking import DlcpPolicy
 from host.transport import AggregatorTransport, parse_address
+from thc.layout import DEFAULT_PARTITION_SIZE
 
 DEFAULT_POOL_SIZE = 256
+INNETWORK_PARTITION_SIZE = 1 << 14     # RHT partition of the default in-network codec
 
 
 class THCHookState:
@@ -115,7 +117,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
                    values_per_packet: int = 1024, seed: int = 0,
                    start_timeout: float = 60.0,
                    pipeline_values: int = DEFAULT_PIPELINE_VALUES,
-                   error_domain: str = "rotated") -> THCHookState:
+                   error_domain: str = "rotated", loss_bound: float = 0.0,
+                   loss_wait: float = 2.0) -> THCHookState:
     """Build the hook state on this worker (call after dist.init_process_group).
 
     aggregator: None for THC over dist.all_reduce(SUM) (gloo/NCCL, no switch), or the
@@ -123,22 +126,34 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     (ip, port) this worker binds, as installed in the aggregator's membership table
     (default: THC_WORKER_IP / THC_WORKER_PORT_BASE + rank from the environment, as under
     torchrun; else any port). codec: a thc.THCCodec identical on every worker
-    (default: b=4, g=30, p=1/32, this seed). start_timeout: seconds the first call waits
-    for every worker (the error names the missing rank); timeout: seconds without progress
-    in an exchange before AggregatorTimeout. policy: the per-packet DSCP/ECN hook of the
-    in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front buckets in higher
-    bands, packets of large rotated magnitude ECT); host.transport.default_policy turns
-    marking off. pipeline_values: padded values per pipeline chunk of a large tensor
-    (quantize the next chunk while this one is on the wire; 0 = whole tensors), the same
-    on every worker. group: the process group of the control exchanges (default: one of
-    THC's own over all ranks, made at the first call); with a group of yours, issue no
-    collectives of your own on it while an exchange is pending. error_domain: where the
-    error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
+    (default: b=4, g=30, p=1/32, this seed; RHT partitions of 2^14 values in-network, so
+    that DLCP can rank a bucket's partitions, else 2^20). start_timeout: seconds the first
+    call waits for every worker (the error names the missing rank); timeout: seconds
+    without progress in an exchange before AggregatorTimeout. policy: the per-packet
+    DSCP/ECN hook of the in-network path; default DLCP marking (host.dlcp.DlcpPolicy: front
+    buckets in higher bands, every packet of an RHT partition whose RMS is above the
+    median ECT); host.transport.default_policy turns marking off. pipeline_values: padded
+    values per pipeline chunk of a large tensor (quantize the next chunk while this one is
+    on the wire; 0 = whole tensors), the same on every worker. group: the process group of
+    the control exchanges (default: one of THC's own over all ranks, made at the first
+    call); with a group of yours, issue no collectives of your own on it while an
+    exchange is pending. error_domain: where the error feedback lives, "rotated" (after the RHT, one inverse RHT per call: faster) or
     "gradient" (the paper's order, the max-norm exchange overlaps the RHT).
+    loss_bound: DLCP's bounded loss p on the in-network path (0 = exact, the default): a
+    tensor may finish once (1 - p) of its chunks came back with every contributor; after
+    one re-request of the others and loss_wait retransmission timeouts (default 2; 0 =
+    finish at once, as DLCP's receiver does) the rest decodes as zero in the rotated
+    domain, every worker agreeing on the same lost chunks first, and each worker's own
+    share of them goes back into its error feedback (docs/dlcp.md, "DLCP on the
+    in-network THC path").
     """
     if not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group before thc_hook_state")
-    codec = codec or thc.THCCodec(seed=seed)
+    if codec is None:
+        # In-network, the DLCP marks rank RHT partitions: smaller ones than the codec's
+        # default, so that a bucket has several (docs/dlcp.md, the in-network section).
+        codec = thc.THCCodec(seed=seed, partition_size=DEFAULT_PARTITION_SIZE if aggregator
+                             is None else INNETWORK_PARTITION_SIZE)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if aggregator is None:
         exchange = SumAllreduceExchange(codec, group)
@@ -158,7 +173,8 @@ def thc_hook_state(*, aggregator=None, job: int = 1, pool_size: int = DEFAULT_PO
     return THCHookState(THCAllreduce(codec, exchange, group=group, error_feedback=error_feedback,
                                      start_timeout=start_timeout,
                                      pipeline_values=pipeline_values,
-                                     error_domain=error_domain))
+                                     error_domain=error_domain, loss_bound=loss_bound,
+                                     loss_wait=loss_wait))
 
 
 def _worker_address_from_env(rank: int):

@@ -368,6 +368,11 @@ class AggregatorTransport:
         late = ex.expired(now, self.timer.rto)
         if len(late):
             stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
+            if getattr(self.policy, "ect_retransmissions", False):
+                # A chunk that was lost once goes out ECT: a DLCP queue marks it instead
+                # of dropping it again (a second loss would cost a backed-off timeout).
+                tos = stream.packets.tos
+                tos[late] = np.where(tos[late] & 3 == 0, tos[late] | 2, tos[late])
             self._send(stream.packets, late)
             ex.mark_retransmitted(late, now, self.timer)
             self.stats.retransmissions += len(late)
@@ -580,9 +585,12 @@ class TensorStream:
     def sums(self) -> np.ndarray:
         return self.ex.sums
 
-    def submit(self, packed, num_values: int, *, values=None) -> None:
+    def submit(self, packed, num_values: int, *, values=None, partition_norms=None,
+               partition_sizes=None) -> None:
         """The packed indices (two per byte) of values [submitted, submitted+num_values);
-        values: their rotated floats, for the DSCP/ECN policy."""
+        values: their rotated floats, for the DSCP/ECN policy; partition_norms /
+        partition_sizes: the RHT partitions these values make up (their agreed L2 norms and
+        padded sizes), for a policy that marks per partition (`marks_partitions`)."""
         self._check_open()
         t, ex, vpp = self.transport, self.ex, self.transport.vpp
         lo, hi = self.submitted, self.submitted + num_values
@@ -594,8 +602,12 @@ class TensorStream:
                               tensor=ex.tensor, slots=self.slots[c0:c1],
                               rounds=ex.rounds[c0:c1].astype(np.uint32), expected=t.expected,
                               min_count=t.min_count, first_offset=lo)
+        per_partition = {}
+        if partition_norms is not None and getattr(t.policy, "marks_partitions", False):
+            per_partition = {"partition_norms": partition_norms,
+                             "partition_sizes": partition_sizes}
         dscp, ecn = t.policy(layer=self.layer, num_layers=self.num_layers, values=values,
-                             values_per_packet=vpp, num_packets=c1 - c0)
+                             values_per_packet=vpp, num_packets=c1 - c0, **per_partition)
         tos = ((np.asarray(dscp, np.uint8) << 2) | (np.asarray(ecn, np.uint8) & 3))
         if tos.shape != (c1 - c0,):
             raise ValueError(f"policy returned {tos.shape} marks for {c1 - c0} packets")
@@ -627,6 +639,12 @@ class TensorStream:
         self._check_open()
         chunks = -(-num_values // self.transport.vpp)
         self._drive(lambda: self.ex.done_prefix() >= chunks)
+
+    def wait_until(self, until) -> None:
+        """Block until until() holds (it runs with the stream's state locked, so it may
+        read and adjust `ex`): a completion rule of the caller's, e.g. bounded loss."""
+        self._check_open()
+        self._drive(until)
 
     def counts(self, lo: int, hi: int):
         """Contributor count of values [lo, hi): an int when every chunk agrees, else one

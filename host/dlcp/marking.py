@@ -6,16 +6,32 @@ Two marks per packet (notes/dlcp.md §3.1, docs/protocol.md §6):
   so the front layer gets band 0 (the highest data priority) and every band is in
   ``[0, P-1]`` for any L >= 1.  The band becomes DSCP ``32 + band``
   (``dataplane.config.band_to_dscp``); switches map it to queue ``6 - band``.
-* **Importance.** A packet is important when the mean |g| of the values it carries is
-  strictly greater (``>``) than the tensor's median |g|, estimated from a random sample
-  of ``max(1, ceil(0.001 * N))`` values.  Important packets are sent ECT(0): a
-  RED/ECN-style switch marks them CE above the queue threshold instead of dropping them.
-  Unimportant packets are Not-ECT and are the ones selectively dropped.
+* **Importance, uncompressed fp32 traffic** (the DLCP transport): a packet is important
+  when the mean |g| of the values it carries is strictly greater (``>``) than the
+  tensor's median |g|, estimated from a random sample of ``max(1, ceil(0.001 * N))``
+  values.
+* **Importance, THC traffic** (the in-network path): after the RHT every packet of a
+  partition has about the same magnitude, so the per-packet rule would mark at random.
+  Importance is decided per RHT partition instead, from a number the rotation keeps: the
+  partition's L2 norm (the same before and after the RHT).  A partition is important when
+  its RMS value (norm / sqrt(values)) is strictly greater than the median RMS over the
+  tensor's partitions, the per-partition reading of the paper's "mean |g| > median |g|"
+  (notes/dlcp.md §3.1); every packet of the partition carries that mark.  The allreduce
+  passes the max-reduced norms that every worker already agreed on, so all workers mark
+  a partition alike, and a tensor of one partition is all important (nothing to rank).
+
+Important packets are sent ECT(0): a RED/ECN-style switch marks them CE above the queue
+threshold instead of dropping them. Unimportant packets are Not-ECT and are the ones
+selectively dropped.
 
 The host transport calls a policy with the agreed hook signature::
 
     policy(*, layer, num_layers, values, values_per_packet, num_packets)
         -> (dscp uint8[num_packets], ecn uint8[num_packets])
+
+A policy whose ``marks_partitions`` attribute is true also gets ``partition_norms``
+(float per RHT partition of the submitted values) and ``partition_sizes`` (values per
+partition) on THC traffic.
 """
 from __future__ import annotations
 
@@ -36,7 +52,8 @@ SAMPLE_FRACTION = 0.001     # the paper's 0.1% sample for the median estimate
 __all__ = [
     "ECN_NOT_ECT", "ECN_ECT0", "ECN_ECT1", "ECN_CE", "CONTROL_DSCP", "DEFAULT_DSCP",
     "layer_band", "layer_dscp", "sample_size", "median_abs_estimate", "packet_mean_abs",
-    "importance_ecn", "DlcpPolicy", "tos_byte",
+    "importance_ecn", "partition_importance", "partition_packet_ecn", "DlcpPolicy",
+    "tos_byte",
 ]
 
 
@@ -102,13 +119,53 @@ def importance_ecn(values: np.ndarray, values_per_packet: int, num_packets: int,
     return np.where(means > threshold, important_ecn, ECN_NOT_ECT).astype(np.uint8)
 
 
+def partition_importance(norms: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Important partitions: RMS (norm / sqrt(size)) strictly above the median RMS.
+
+    One partition: important (there is nothing to rank it against, so keep it safe)."""
+    norms = np.asarray(norms, np.float64).reshape(-1)
+    sizes = np.asarray(sizes, np.float64).reshape(-1)
+    if norms.shape != sizes.shape:
+        raise ValueError(f"{len(norms)} partition norms for {len(sizes)} partition sizes")
+    if not np.all(np.isfinite(norms)):
+        raise ValueError("partition norms hold NaN/inf; refusing to mark them")
+    if (sizes <= 0).any():
+        raise ValueError("partition sizes must be positive")
+    if len(norms) <= 1:
+        return np.ones(len(norms), bool)
+    rms = norms / np.sqrt(sizes)
+    return rms > np.median(rms)
+
+
+def partition_packet_ecn(important: np.ndarray, sizes: np.ndarray, values_per_packet: int,
+                         num_packets: int, important_ecn: int = ECN_ECT0) -> np.ndarray:
+    """Each packet's ECN from the partitions it carries (partitions laid end to end with
+    the given padded sizes; packet k carries [k*vpp, (k+1)*vpp)): ECT when any of them
+    is important (a packet larger than a partition spans several)."""
+    sizes = np.asarray(sizes, np.int64).reshape(-1)
+    ends = np.cumsum(sizes)
+    if num_packets and ends[-1] < (num_packets - 1) * values_per_packet + 1:
+        raise ValueError(f"partitions cover {int(ends[-1])} values, {num_packets} packets "
+                         f"of {values_per_packet} need more")
+    starts = np.arange(num_packets, dtype=np.int64) * values_per_packet
+    last = np.minimum(starts + values_per_packet, ends[-1]) - 1
+    first_part = np.searchsorted(ends, starts, side="right")
+    last_part = np.searchsorted(ends, last, side="right")
+    # Any important partition in [first_part, last_part]: prefix sums of the flags.
+    flags = np.concatenate([[0], np.cumsum(np.asarray(important, np.int64))])
+    hit = flags[last_part + 1] - flags[first_part] > 0
+    return np.where(hit, important_ecn, ECN_NOT_ECT).astype(np.uint8)
+
+
 @dataclass
 class DlcpPolicy:
     """The default DLCP marking hook (band from layer, ECN from magnitude).
 
     enabled=False sends everything best effort (DSCP 0, Not-ECT); mark_importance=False
-    keeps the band but sends every packet ECT (nothing selectively dropped).
+    keeps the band but sends every packet ECT (nothing selectively dropped). On THC
+    traffic (partition_norms given) importance is per RHT partition, else per packet.
     """
+    marks_partitions = True         # the transport passes partition norms on THC traffic
     enabled: bool = True
     mark_importance: bool = True
     num_bands: int = NUM_DATA_BANDS
@@ -128,14 +185,24 @@ class DlcpPolicy:
             raise ValueError("DlcpPolicy: important_ecn must be ECT(0)=2 or ECT(1)=1")
         self.rng = np.random.default_rng(self.seed)
 
+    @property
+    def ect_retransmissions(self) -> bool:
+        """The in-network transport resends a lost chunk ECT (marked, not dropped again)."""
+        return self.enabled and self.mark_importance
+
     def __call__(self, *, layer: int, num_layers: int, values: np.ndarray,
-                 values_per_packet: int, num_packets: int) -> tuple[np.ndarray, np.ndarray]:
+                 values_per_packet: int, num_packets: int, partition_norms=None,
+                 partition_sizes=None) -> tuple[np.ndarray, np.ndarray]:
         if not self.enabled:
             return (np.full(num_packets, DEFAULT_DSCP, np.uint8),
                     np.full(num_packets, ECN_NOT_ECT, np.uint8))
         dscp = np.full(num_packets, layer_dscp(layer, num_layers, self.num_bands), np.uint8)
         if not self.mark_importance:
             return dscp, np.full(num_packets, self.important_ecn, np.uint8)
+        if partition_norms is not None:
+            important = partition_importance(partition_norms, partition_sizes)
+            return dscp, partition_packet_ecn(important, partition_sizes, values_per_packet,
+                                              num_packets, self.important_ecn)
         ecn = importance_ecn(values, values_per_packet, num_packets, self.rng,
                              self.sample_fraction, self.important_ecn)
         return dscp, ecn

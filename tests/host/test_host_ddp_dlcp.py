@@ -111,3 +111,21 @@ def test_hook_marking_can_be_turned_off(one_worker_group):
                            policy=default_policy)
     two_steps(state)
     assert agg.marks and {(d, e) for *_, d, e in agg.marks} == {(0, 0)}
+
+
+def test_hook_marks_whole_rht_partitions_by_their_norm(one_worker_group):
+    """On the wire: every packet of a partition above the median RMS is ECT(0), every other
+    packet Not-ECT (after the RHT the packets of a partition all look alike)."""
+    agg = one_worker_group
+    partition = 1024
+    state = thc_hook_state(aggregator=agg.address, job=3, pool_size=8,
+                           values_per_packet=VALUES_PER_PACKET, timeout=10,
+                           codec=thc.THCCodec(partition_size=partition), error_feedback=False)
+    scale = np.array([1.0, 8.0, 0.5, 4.0, 2.0])            # partitions 1 and 3 important
+    g = torch.randn(5 * partition, generator=torch.Generator().manual_seed(1))
+    g *= torch.from_numpy(np.repeat(scale, partition)).float()
+    state.reduce(g, 0)
+    ecn = {off // partition: set() for _, off, _, _ in agg.marks}
+    for _, off, _, e in agg.marks:
+        ecn[off // partition].add(e)
+    assert ecn == {0: {0}, 1: {2}, 2: {0}, 3: {2}, 4: {0}}

@@ -1,0 +1,241 @@
+"""THC incast through the DPDK switch's DLCP queues: the main job trained with and without DLCP.
+
+    sudo python -m host.dlcp.innetwork incast --json out/dlcp_incast.json
+
+Testbed (host.dlcp.dpdk_bottleneck.NetnsTestbed): 4 worker namespaces and one aggregator
+namespace, each on a veth pair whose root end is a port of the DPDK switch (routing the
+hosts' /24s through its DLCP egress stage, docs/protocol.md §6). The reference aggregator
+(dataplane.udp_service) serves the job in the aggregator namespace on a UDP port outside
+the switch's aggregation range, so the switch forwards the THC packets instead of adding
+them: all four workers' DATA packets meet at the aggregator's port, served at
+`--rate-pps`, with the DLCP thresholds and capacity given. The process group (gloo, for
+the norm and agreement exchanges) runs over the same switch, best effort, on ports that
+are not rate limited.
+
+Runs, each training the main job's MLP (host.main_job's model and data) for `--steps`:
+* "dlcp": DlcpPolicy marks (band per DDP bucket, ECT per RHT partition by norm) and
+  bounded loss p = --loss-bound;
+* "off": every packet best effort (DSCP 0, Not-ECT: only buffer drops), exact (p = 0),
+  today's behaviour without DLCP.
+Reported per run: allreduce time per call (median, p99, max), the switch's drops
+(selective = Not-ECT above a threshold, buffer = queue full) and CE marks, the chunks
+decoded as lost, retransmissions, and the final test accuracy.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import time
+import traceback
+
+import numpy as np
+
+AGG_UDP_PORT = 47100           # outside 50000-50015: the switch routes it, does not add it
+WORKER_UDP_PORT = 47200
+GLOO_PORT = 47300
+
+
+def _worker(rank, cfg, queue):
+    import numba
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thc
+    from host.ddp_hook import thc_hook, thc_hook_state
+    from host.main_job import load_digits_split, make_model
+    from host.shaped_links import enter_netns
+    from host.transport import default_policy
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    try:
+        enter_netns(cfg["netns"][rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = cfg["ifnames"][rank]
+        dist.init_process_group("gloo", init_method=cfg["init"], rank=rank,
+                                world_size=cfg["world"],
+                                timeout=datetime.timedelta(seconds=40))
+        dlcp = cfg["mode"] == "dlcp"
+        codec = thc.THCCodec(seed=cfg["seed"], partition_size=cfg["partition_size"])
+        state = thc_hook_state(aggregator=cfg["aggregator"], job=1, pool_size=cfg["pool"],
+                               codec=codec, worker_address=(cfg["ips"][rank], WORKER_UDP_PORT),
+                               timeout=30, values_per_packet=cfg["vpp"],
+                               policy=None if dlcp else default_policy,
+                               loss_bound=cfg["loss_bound"] if dlcp else 0.0,
+                               loss_wait=cfg["loss_wait"])
+        torch.manual_seed(cfg["seed"])
+        model = DDP(make_model(cfg["hidden"]), bucket_cap_mb=cfg["bucket_mb"])
+        model.register_comm_hook(state, thc_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+        (xtr, ytr), (xte, yte) = load_digits_split(cfg["seed"])
+        xs, ys = torch.from_numpy(xtr[rank::cfg["world"]]), torch.from_numpy(ytr[rank::cfg["world"]])
+        rng = np.random.default_rng(cfg["seed"] + rank)
+        for _ in range(cfg["steps"]):
+            idx = torch.from_numpy(rng.choice(len(xs), cfg["batch"], replace=False))
+            opt.zero_grad()
+            F.cross_entropy(model(xs[idx]), ys[idx]).backward()
+            opt.step()
+        with torch.no_grad():
+            logits = model.module(torch.from_numpy(xte))
+            acc = float((logits.argmax(1) == torch.from_numpy(yte)).float().mean())
+            test_loss = float(F.cross_entropy(logits, torch.from_numpy(yte)))
+        ar = state.allreduce
+        out = {"call_seconds": ar.call_seconds, "loss_stats": dict(ar.loss_stats),
+               "transport": ar.exchange.transport.stats.as_dict(), "test_acc": acc,
+               "test_loss": test_loss,
+               "buckets": len(state.bucket_sizes)}
+        ar.exchange.transport.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        queue.put((rank, out))
+    except Exception:
+        queue.put((rank, {"crash": traceback.format_exc()}))
+
+
+def disable_offloads(tb) -> None:
+    """Plain MTU-sized frames on every veth (the switch's af_packet rings take no TSO/GRO
+    super-frames)."""
+    for h in tb.hosts:
+        for ns, dev in ((h.ns, h.host_if), (None, h.root_if)):
+            cmd = ["ethtool", "-K", dev, "tx", "off", "tso", "off", "gso", "off", "gro", "off"]
+            if ns:
+                cmd = ["ip", "netns", "exec", ns] + cmd
+            subprocess.run(cmd, capture_output=True)
+
+
+def run_mode(mode: str, args) -> dict:
+    """One training run through a fresh switch; returns the workers' and switch's numbers."""
+    import torch.multiprocessing as mp
+
+    from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
+    from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
+    from dataplane.udp_service import serve
+    from host.dlcp.dpdk_bottleneck import NetnsTestbed, in_netns
+    world = args.workers
+    with NetnsTestbed(num_senders=world, tag=f"ic{os.getpid() % 10000}") as tb:
+        disable_offloads(tb)
+        agg_host = tb.receiver
+        members = [Member(worker=w, port=w, mac=h.mac, ip=h.ip, udp_port=WORKER_UDP_PORT)
+                   for w, h in enumerate(tb.senders)]
+        job = Job.from_thc(1, args.pool, members, values_per_packet=args.vpp)
+        service = in_netns(agg_host.ns, serve,
+                           SwitchConfig(ip=agg_host.ip, jobs=(job,)).validate(),
+                           agg_host.ip, AGG_UDP_PORT)
+        dlcp = Dlcp(thresholds=default_thresholds(args.threshold, args.threshold_step),
+                    capacity=args.capacity)
+        switch = LiveSwitch(tb.switch_config(dlcp),
+                            af_packet_vdevs([h.root_if for h in tb.hosts]),
+                            port_rates={agg_host.port: args.rate_pps})
+        switch.start()
+        cfg = {"mode": mode, "world": world, "netns": [h.ns for h in tb.senders],
+               "ifnames": [h.host_if for h in tb.senders], "ips": [h.ip for h in tb.senders],
+               "init": f"tcp://{tb.senders[0].ip}:{GLOO_PORT}",
+               "aggregator": f"{agg_host.ip}:{AGG_UDP_PORT}", "pool": args.pool,
+               "vpp": args.vpp, "partition_size": args.partition_size, "seed": args.seed,
+               "hidden": args.hidden, "bucket_mb": args.bucket_mb, "lr": args.lr,
+               "batch": args.batch, "steps": args.steps, "loss_bound": args.loss_bound,
+               "loss_wait": args.loss_wait}
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, cfg, queue)) for r in range(world)]
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            deadline = time.monotonic() + args.run_timeout
+            while len(results) < world and time.monotonic() < deadline:
+                try:
+                    rank, value = queue.get(timeout=1)
+                    results[rank] = value
+                except Exception:
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        break
+        finally:
+            for p in procs:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+            stats = switch.stop()
+            service.stop()
+        wall = time.monotonic() - t0
+    crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
+    if crashed or len(results) < world:
+        raise RuntimeError(f"{mode}: workers failed: {crashed or sorted(results)}")
+    return summarize(mode, results, stats, str(agg_host.port), wall)
+
+
+def summarize(mode, results, stats, port, wall) -> dict:
+    calls = np.array(results[0]["call_seconds"][1:]) * 1e3      # first call sets up
+    g = stats["global"] if stats else {}
+    port_stats = stats["ports"][port] if stats else {}
+    loss = [results[r]["loss_stats"] for r in results]
+    return {
+        "mode": mode, "wall_s": wall, "calls": len(calls),
+        "call_ms_median": float(np.median(calls)), "call_ms_p99": float(np.percentile(calls, 99)),
+        "call_ms_max": float(calls.max()), "call_seconds_ms": calls.tolist(),
+        "selective_drops": g.get("dlcp_selective_drop", 0),
+        "buffer_drops": g.get("dlcp_buffer_drop", 0), "ce_marked": g.get("dlcp_ce_marked", 0),
+        "bottleneck_port": port_stats,
+        "chunks": loss[0]["chunks"], "chunks_lost": loss[0]["missing_agreed"],
+        "lost_marks": loss[0].get("lost_marks", {}),
+        "retransmissions": int(sum(results[r]["transport"]["retransmissions"]
+                                   for r in results)),
+        "packets_sent": int(sum(results[r]["transport"]["packets_sent"] for r in results)),
+        "test_acc": results[0]["test_acc"], "test_loss": results[0]["test_loss"],
+        "buckets": results[0]["buckets"],
+        "identical_loss_stats": all(s["missing_agreed"] == loss[0]["missing_agreed"]
+                                    for s in loss),
+    }
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rate-pps", type=float, default=20000.0,
+                    help="service rate of the aggregator's switch port (packets/s)")
+    ap.add_argument("--threshold", type=float, default=24.0, help="DLCP T (packets)")
+    ap.add_argument("--threshold-step", type=float, default=0.5, help="DLCP d")
+    ap.add_argument("--capacity", type=int, default=64, help="packets per (port, queue)")
+    ap.add_argument("--pool", type=int, default=32, help="slot pool = window per worker")
+    ap.add_argument("--vpp", type=int, default=1024, help="values per packet")
+    ap.add_argument("--partition-size", type=int, default=1 << 12)
+    ap.add_argument("--bucket-mb", type=float, default=0.1,
+                    help="DDP bucket cap (MB): several buckets, several DLCP bands")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss-bound", type=float, default=0.1)
+    ap.add_argument("--loss-wait", type=float, default=0.0,
+                    help="retransmission timeouts to wait for the missing chunks")
+    ap.add_argument("--run-timeout", type=float, default=300.0)
+
+
+def run(args) -> dict:
+    from host.dlcp.dpdk_bottleneck import live_switch_skip_reason
+    why = live_switch_skip_reason()
+    if why:
+        raise SystemExit(f"cannot run the incast evaluation: {why}")
+    runs = [run_mode(mode, args) for mode in ("dlcp", "off")]
+    return {"runs": runs, "load_average": os.getloadavg(), "args": vars(args)}
+
+
+def plot(result, path) -> None:
+    """Allreduce time per call, DLCP vs off (CDF)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for r in result["runs"]:
+        ms = np.sort(np.asarray(r["call_seconds_ms"]))
+        ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms),
+                label=f"{r['mode']}: acc {r['test_acc']:.3f}, "
+                      f"{r['selective_drops']} sel./{r['buffer_drops']} buf. drops")
+    ax.set_xscale("log")
+    ax.set_xlabel("allreduce time per call (ms)")
+    ax.set_ylabel("fraction of calls")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

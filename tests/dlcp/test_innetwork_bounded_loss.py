@@ -1,0 +1,210 @@
+"""Bounded loss on the in-network THC path, over real sockets: the reference aggregator
+behind a lossy relay, three worker processes (gloo process group for the agreement).
+
+The relay drops every DATA packet (retransmissions included) of one chunk from worker 0,
+so no worker ever gets that chunk, and every RESULT of another chunk to worker 1 only, so
+worker 1 lacks a chunk that the others hold; plus 2 % random loss both ways. With
+loss_bound=0.2 every worker must finish, agree on one missing set, and decode bit-identical
+means; partitions without a lost chunk equal the exact (loss-free) result bit for bit.
+"""
+import datetime
+import socket
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import thc
+from dataplane.config import Job, Member, SwitchConfig
+from host.netem import LossyUdpRelay
+from host.packets import HEADER_LEN, TYPE_DATA, TYPE_RESULT, decode_headers, header_types
+
+WORLD = 3
+D = 50_000
+PARTITION = 1 << 14
+VPP = 1024
+LOSS_BOUND = 0.2
+BLACKHOLED = 3          # chunk whose DATA from worker 0 never arrives
+HIDDEN_FROM_1 = 20      # chunk whose RESULT never reaches worker 1
+
+
+class RuleRelay(LossyUdpRelay):
+    """LossyUdpRelay plus two fixed drops of the tensor with id `tensor`."""
+
+    tensor = 0
+
+    def _chunk(self, data: bytes, ptype: int):
+        if len(data) < HEADER_LEN:
+            return None
+        hdr = decode_headers([data])
+        if header_types(hdr)[0] != ptype or int(hdr[0]["tensor"]) != self.tensor:
+            return None
+        return int(hdr[0]["offset"]) // VPP
+
+    def _up(self, data, source):
+        if len(data) > 6 and data[6] == 0 and self._chunk(data, TYPE_DATA) == BLACKHOLED:
+            self.counters["dropped_up"] += 1
+            self._clients[0] = source
+            return
+        super()._up(data, source)
+
+    def _down(self, data, worker):
+        if worker == 1 and self._chunk(data, TYPE_RESULT) == HIDDEN_FROM_1:
+            self.counters["dropped_down"] += 1
+            return
+        super()._down(data, worker)
+
+
+def grad(rank):
+    g = np.random.default_rng(rank).standard_normal(D).astype(np.float32)
+    g[:PARTITION] *= 5.0                     # one partition of larger gradients
+    return g
+
+
+def _worker(rank, init, lossy, exact, queue):
+    import numba
+    import torch
+    import torch.distributed as dist
+
+    from host.ddp_hook import thc_hook_state
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))
+        codec = thc.THCCodec(seed=5, partition_size=PARTITION)
+        g = torch.from_numpy(grad(rank))
+        out = {}
+        # The exact reference first, on a loss-free aggregator (round 0, no error feedback).
+        state = thc_hook_state(aggregator=exact, codec=codec, pool_size=64, timeout=10,
+                               error_feedback=False, values_per_packet=VPP)
+        out["exact"] = state.reduce(g, 0).numpy()
+        state.allreduce.exchange.transport.close()
+        state = thc_hook_state(aggregator=lossy, codec=codec, pool_size=64, timeout=10,
+                               error_feedback=False, values_per_packet=VPP,
+                               loss_bound=LOSS_BOUND)
+        t0 = time.monotonic()
+        out["bounded"] = state.reduce(g, 0).numpy()
+        out["seconds"] = time.monotonic() - t0
+        out["stats"] = dict(state.allreduce.loss_stats)
+        out["missing"] = state.allreduce.last_missing.copy()
+        state.allreduce.exchange.transport.close()
+        # With error feedback (rotated domain), a lost chunk's own share is kept.
+        ef = thc_hook_state(aggregator=lossy, codec=codec, pool_size=64, timeout=10,
+                            values_per_packet=VPP, loss_bound=LOSS_BOUND)
+        ef.reduce(g, 0)
+        out["ef_error"] = np.asarray(ef.allreduce.error_feedback.error(0)).copy()
+        out["ef_missing"] = ef.allreduce.last_missing.copy()
+        out["rotated"] = np.asarray(codec.rotate(g.numpy()))
+        queue.put((rank, out))
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, {"crash": traceback.format_exc()}))
+
+
+def _config(addresses, job=1, pool=64):
+    members = [Member(worker=w, port=w, mac=f"02:00:00:00:01:{w + 1:02x}", ip=ip, udp_port=p)
+               for w, (ip, p) in enumerate(addresses)]
+    return SwitchConfig(ip="127.0.0.1", jobs=(Job.from_thc(job, pool, members,
+                                                           values_per_packet=VPP),)).validate()
+
+
+@pytest.fixture(scope="module")
+def run():
+    import torch.multiprocessing as mp
+
+    from dataplane.udp_service import serve
+    relay = RuleRelay(("127.0.0.1", 1), WORLD, loss_up=0.02, seed=11).start()
+    lossy_svc = serve(_config(relay.member_addresses), "127.0.0.1", 0)
+    relay.aggregator = lossy_svc.address
+    # Workers bind ephemeral ports: the exact run's aggregator knows them through a
+    # loss-free relay's member ports too.
+    clean = LossyUdpRelay(("127.0.0.1", 1), WORLD, loss_up=0.0).start()
+    exact_svc = serve(_config(clean.member_addresses), "127.0.0.1", 0)
+    clean.aggregator = exact_svc.address
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    queue = ctx.Queue()
+    lossy = f"{relay.address[0]}:{relay.address[1]}"
+    exact = f"{clean.address[0]}:{clean.address[1]}"
+    procs = [ctx.Process(target=_worker, args=(r, init, lossy, exact, queue))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(results) < WORLD and time.monotonic() < deadline:
+            try:
+                rank, value = queue.get(timeout=1)
+                results[rank] = value
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                assert not dead, f"worker processes {dead} died"
+        assert len(results) == WORLD, f"only ranks {sorted(results)} reported in time"
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+        lossy_svc.stop()
+        exact_svc.stop()
+        counters = relay.stop()
+        clean.stop()
+    crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
+    assert not crashed, crashed
+    return results, counters
+
+
+def test_every_worker_decodes_the_same_bounded_result(run):
+    results, counters = run
+    assert counters["dropped_up"] > 0 and counters["dropped_down"] > 0
+    for r in range(WORLD):
+        assert np.array_equal(results[r]["bounded"], results[0]["bounded"]), r
+        assert np.array_equal(results[r]["exact"], results[0]["exact"]), r
+
+
+def test_the_agreed_missing_set_is_the_union(run):
+    results, _ = run
+    stats = [results[r]["stats"] for r in range(WORLD)]
+    chunks = -(-thc.THCCodec(partition_size=PARTITION).padded_length(D) // VPP)
+    for s in stats:
+        assert s["tensors"] == 1 and s["chunks"] == chunks
+        assert s["missing_agreed"] == stats[0]["missing_agreed"]
+        assert 2 <= s["missing_agreed"] <= LOSS_BOUND * chunks + 1
+    # Worker 1 lacked one chunk more than the others, which only it could not see.
+    assert stats[1]["missing_here"] >= 2 and stats[0]["missing_here"] >= 1
+
+
+def test_only_partitions_with_a_lost_chunk_differ_from_the_exact_result(run):
+    results, _ = run
+    exact, bounded = results[0]["exact"], results[0]["bounded"]
+    per_partition = [np.array_equal(exact[lo:lo + PARTITION], bounded[lo:lo + PARTITION])
+                     for lo in range(0, D, PARTITION)]
+    missing = results[0]["missing"]
+    assert missing[BLACKHOLED] and missing[HIDDEN_FROM_1]
+    for r in range(WORLD):
+        assert np.array_equal(results[r]["missing"], missing)
+    lost = {c * VPP // PARTITION for c in np.flatnonzero(missing)}
+    for k, same in enumerate(per_partition):
+        assert same == (k not in lost), (k, same, sorted(lost))
+    mean = np.mean([grad(r) for r in range(WORLD)], axis=0)
+    nmse = float(np.sum((bounded - mean) ** 2) / np.sum(mean ** 2))
+    assert nmse < 0.2, nmse
+
+
+def test_error_feedback_keeps_the_share_of_lost_chunks(run):
+    results, _ = run
+    for r in range(WORLD):
+        out = results[r]
+        lost = np.repeat(out["ef_missing"], VPP)[:len(out["rotated"])]
+        e, x = out["ef_error"], out["rotated"]
+        assert lost.any()
+        # Lost: the whole compensated value goes to the next round (x - q + q).
+        np.testing.assert_allclose(e[lost], x[lost], rtol=0, atol=1e-5 * np.abs(x).max())
+        # Delivered: only the quantization error stays.
+        assert np.linalg.norm(e[~lost]) < 0.3 * np.linalg.norm(x[~lost])
