@@ -134,7 +134,6 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
 
     action behind_round() {
         meta.obsolete = 1;
-        meta.copy_round = hdr.agg.round - meta.round_distance;
     }
 
     action count_first() { start_left.execute(meta.copy_index); }
@@ -356,7 +355,16 @@ control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
     }
 }
 
-#define WORD_VALID(k) if (hdr.agg.num_values > 4 * k) { hdr.sums[k].setValid(); }
+#define WORD_VALID(k) if (hdr.agg.num_values >= 4 * k + 4) { hdr.sums[k].setValid(); }
+/* The partial last word k of a RESULT (num_values % 4 != 0): its first 1, 2 or 3 lanes
+ * as a tail header, so the frame carries exactly num_values bytes (Tofino has no truncate). */
+#define PARTIAL_WORD(k)                                                                   \
+    action tail8_of_##k()  { hdr.tail8.setValid();  hdr.tail8.lanes  = hdr.sums[k].lanes[31:24]; } \
+    action tail16_of_##k() { hdr.tail16.setValid(); hdr.tail16.lanes = hdr.sums[k].lanes[31:16]; } \
+    action tail24_of_##k() { hdr.tail24.setValid(); hdr.tail24.lanes = hdr.sums[k].lanes[31:8]; }
+#define PARTIAL_WORD_ACTIONS(k) tail8_of_##k; tail16_of_##k; tail24_of_##k;
+#define PARTIAL_WORD_ENTRIES(k)                                                           \
+    (4 * k + 1): tail8_of_##k(); (4 * k + 2): tail16_of_##k(); (4 * k + 3): tail24_of_##k();
 
 /* Turns the DATA packet into the RESULT or STRAGGLER of protocol.md section 5 and sends it
  * on: the TM multicasts a completion to the job's group, re-serves and notices go back out
@@ -377,6 +385,36 @@ control BuildAggReply(inout headers_t hdr,
         hdr.idx[24].setInvalid(); hdr.idx[25].setInvalid(); hdr.idx[26].setInvalid();
         hdr.idx[27].setInvalid(); hdr.idx[28].setInvalid(); hdr.idx[29].setInvalid();
         hdr.idx[30].setInvalid(); hdr.idx[31].setInvalid();
+    }
+
+    PARTIAL_WORD(0)  PARTIAL_WORD(1)  PARTIAL_WORD(2)  PARTIAL_WORD(3)
+    PARTIAL_WORD(4)  PARTIAL_WORD(5)  PARTIAL_WORD(6)  PARTIAL_WORD(7)
+    PARTIAL_WORD(8)  PARTIAL_WORD(9)  PARTIAL_WORD(10) PARTIAL_WORD(11)
+    PARTIAL_WORD(12) PARTIAL_WORD(13) PARTIAL_WORD(14) PARTIAL_WORD(15)
+
+    action whole_words() { }
+
+    table partial_word {
+        key = { hdr.agg.num_values : exact; }
+        actions = {
+            PARTIAL_WORD_ACTIONS(0)  PARTIAL_WORD_ACTIONS(1)  PARTIAL_WORD_ACTIONS(2)
+            PARTIAL_WORD_ACTIONS(3)  PARTIAL_WORD_ACTIONS(4)  PARTIAL_WORD_ACTIONS(5)
+            PARTIAL_WORD_ACTIONS(6)  PARTIAL_WORD_ACTIONS(7)  PARTIAL_WORD_ACTIONS(8)
+            PARTIAL_WORD_ACTIONS(9)  PARTIAL_WORD_ACTIONS(10) PARTIAL_WORD_ACTIONS(11)
+            PARTIAL_WORD_ACTIONS(12) PARTIAL_WORD_ACTIONS(13) PARTIAL_WORD_ACTIONS(14)
+            PARTIAL_WORD_ACTIONS(15)
+            whole_words;
+        }
+        const entries = {
+            PARTIAL_WORD_ENTRIES(0)  PARTIAL_WORD_ENTRIES(1)  PARTIAL_WORD_ENTRIES(2)
+            PARTIAL_WORD_ENTRIES(3)  PARTIAL_WORD_ENTRIES(4)  PARTIAL_WORD_ENTRIES(5)
+            PARTIAL_WORD_ENTRIES(6)  PARTIAL_WORD_ENTRIES(7)  PARTIAL_WORD_ENTRIES(8)
+            PARTIAL_WORD_ENTRIES(9)  PARTIAL_WORD_ENTRIES(10) PARTIAL_WORD_ENTRIES(11)
+            PARTIAL_WORD_ENTRIES(12) PARTIAL_WORD_ENTRIES(13) PARTIAL_WORD_ENTRIES(14)
+            PARTIAL_WORD_ENTRIES(15)
+        }
+        const default_action = whole_words();
+        size = 64;
     }
 
     action multicast_result() {
@@ -400,7 +438,7 @@ control BuildAggReply(inout headers_t hdr,
         /* the received header otherwise (flags, reserved included), 5.3 */
         hdr.agg.pkt_type = TYPE_STRAGGLER;
         hdr.agg.num_values = 0;
-        hdr.agg.round = meta.copy_round;
+        hdr.agg.round = hdr.agg.round - meta.round_distance;     /* the copy's round */
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
         hdr.bridge.kind = BRIDGE_AGG_UNICAST;
         hdr.bridge.dest_worker = hdr.agg.worker;
@@ -420,6 +458,7 @@ control BuildAggReply(inout headers_t hdr,
             WORD_VALID(4)  WORD_VALID(5)  WORD_VALID(6)  WORD_VALID(7)
             WORD_VALID(8)  WORD_VALID(9)  WORD_VALID(10) WORD_VALID(11)
             WORD_VALID(12) WORD_VALID(13) WORD_VALID(14) WORD_VALID(15)
+            partial_word.apply();
         }
     }
 }
@@ -460,14 +499,32 @@ control ResultShape(inout headers_t hdr, inout egress_metadata_t meta) {
         size = 256;
     }
 
+    /* count = (a + b) + (c + d): dependent adds in separate tables (separate stages) */
+    action add_pairs() {
+        meta.contributors_ab = meta.contributors_a + meta.contributors_b;
+        meta.contributors_cd = meta.contributors_c + meta.contributors_d;
+    }
+    action add_count() { hdr.agg.count = meta.contributors_ab + meta.contributors_cd; }
+
+    table contributor_pairs {
+        actions = { add_pairs; }
+        const default_action = add_pairs();
+        size = 1;
+    }
+
+    table contributor_count {
+        actions = { add_count; }
+        const default_action = add_count();
+        size = 1;
+    }
+
     apply {
         contributor_bits_0.apply();
         contributor_bits_1.apply();
         contributor_bits_2.apply();
         contributor_bits_3.apply();
-        meta.contributors_ab = meta.contributors_a + meta.contributors_b;
-        meta.contributors_cd = meta.contributors_c + meta.contributors_d;
-        hdr.agg.count = meta.contributors_ab + meta.contributors_cd;
+        contributor_pairs.apply();
+        contributor_count.apply();
         meta.late_bit = hdr.agg.contributors & meta.dest_worker_bit;
         if (hdr.agg.pkt_type == TYPE_RESULT && hdr.agg.flags == FLAG_RESERVE &&
             meta.late_bit == 0) {

@@ -32,7 +32,7 @@ control DlcpClassify(inout headers_t hdr,
     }
 
     table dscp_to_queue {
-        key = { hdr.ipv4.dscp : exact @name("dscp"); }
+        key = { hdr.ipv4.diffserv[7:2] : exact @name("dscp"); }
         actions = { set_queue; }
         /* unlisted DSCP: lowest queue, never dropped selectively */
         const default_action = set_queue(0, 0);
@@ -63,7 +63,7 @@ control DlcpClassify(inout headers_t hdr,
         ig_tm_md.deflect_on_drop = meta.report_drops;
         hdr.bridge.queue = meta.queue;
         hdr.bridge.is_data = meta.is_data;
-        if (meta.is_data == 1 && hdr.ipv4.ecn == 0) {
+        if (meta.is_data == 1 && hdr.ipv4.diffserv[1:0] == 0) {
             ig_tm_md.packet_color = COLOR_YELLOW;   /* unimportant: dropped first */
             hdr.bridge.yellow = 1;
         } else {
@@ -103,12 +103,15 @@ control DlcpAdmission(inout headers_t hdr,
         eg_dprsr_md.drop_ctl = 1;
     }
 
-    action mark_ce() {
+    /* ecn_step: CE (11) minus the ECN it had, 1 from ECT(0) = 10, 2 from ECT(1) = 01 (a
+     * constant per call: arithmetic on the 2-bit field would tie its PHV container to the
+     * checksum's) */
+    action mark_ce(bit<16> ecn_step) {
         meta.dlcp_count = 1;
         meta.dlcp_cell = DC_CE_MARKED;
         meta.ce_marked = 1;
-        meta.checksum_delta = 3 - (bit<16>)hdr.ipv4.ecn;   /* read before the write */
-        hdr.ipv4.ecn = 3;
+        meta.checksum_delta = ecn_step;
+        hdr.ipv4.diffserv[1:0] = 3;
     }
 
     apply {
@@ -123,10 +126,12 @@ control DlcpAdmission(inout headers_t hdr,
             queue_thresholds.apply();
             meta.depth_excess = (bit<32>)eg_intr_md.enq_qdepth - meta.mark_threshold;
             if (meta.depth_excess != 0 && meta.depth_excess[31:31] == 0) {
-                if (hdr.ipv4.ecn == 0) {
+                if (hdr.ipv4.diffserv[1:0] == 0) {
                     selective_drop();       /* Not-ECT past K: unimportant */
-                } else if (hdr.ipv4.ecn != 3) {
-                    mark_ce();              /* ECT past K: important, kept */
+                } else if (hdr.ipv4.diffserv[1:0] == 2) {
+                    mark_ce(1);             /* ECT(0) past K: important, kept */
+                } else if (hdr.ipv4.diffserv[1:0] == 1) {
+                    mark_ce(2);             /* ECT(1) likewise */
                 }
             }
         }

@@ -74,8 +74,8 @@ header ethernet_t {
 header ipv4_t {
     bit<4>      version;
     bit<4>      ihl;
-    bit<6>      dscp;           /* DLCP band */
-    bit<2>      ecn;            /* DLCP importance: Not-ECT = unimportant */
+    bit<8>      diffserv;       /* DSCP [7:2] = DLCP band, ECN [1:0] = importance (Not-ECT =
+                                 * unimportant); one byte, as Tofino's PHV wants it */
     bit<16>     total_len;
     bit<16>     identification;
     bit<3>      flags;          /* reserved, DF, MF (MF = flags[0:0]) */
@@ -136,7 +136,7 @@ struct headers_t {
     agg_t                     agg;
     index_byte_t[INDEX_BYTES] idx;      /* ingress: DATA payload */
     sum_word_t[SUM_WORDS]     sums;     /* RESULT payload (whole words) */
-    tail8_t                   tail8;    /* egress: the partial last word of a RESULT */
+    tail8_t                   tail8;    /* ingress: the partial last word of a RESULT */
     tail16_t                  tail16;
     tail24_t                  tail24;
 }
@@ -164,12 +164,14 @@ struct ingress_metadata_t {
     bit<8>   expected_bits_a;   /* popcount of expected[31:21], [20:10], [9:0] */
     bit<8>   expected_bits_b;
     bit<8>   expected_bits_c;
+    bit<8>   expected_bits_ab;  /* a + b: each add its own table, so each its own stage */
     bit<8>   expected_size;     /* popcount(expected) */
     bit<1>   too_few_expected;  /* min_count > popcount(expected) (rule R3) */
     bit<32>  slot_gap;          /* slot - pool_size: negative when the slot exists */
     bit<32>  values_gap;        /* values_per_packet - num_values: negative = too many */
     bit<16>  members_gap;       /* member_count - min_count: negative = unsatisfiable */
     bit<32>  stray_workers;     /* expected & ~member_mask (rule R3) */
+    bit<1>   unsatisfiable;     /* rule R3's verdict, from the fields above */
     bit<32>  worker_expected;   /* expected & (1 << worker) */
     /* job and membership (forwarding.p4) */
     bit<1>   job_known;
@@ -194,7 +196,6 @@ struct ingress_metadata_t {
     bit<1>   obsolete;          /* older round: STRAGGLER (step 2) */
     bit<32>  already_seen;      /* seen bitmap & (1 << worker) before this packet */
     bit<8>   left_before;       /* contributions the copy still waited for before this packet */
-    bit<32>  copy_round;        /* the copy's round, reported by a STRAGGLER */
     bit<3>   outcome;
     lane_pairs_t lanes;         /* table values of this packet (lookup.p4) */
     /* ordinary forwarding (forwarding.p4) */
@@ -231,7 +232,6 @@ struct egress_metadata_t {
     bit<2>   dlcp_cell;
     bit<1>   ce_marked;         /* ECN set to CE here (rule R5 update for forwarded packets) */
     bit<16>  checksum_delta;    /* the ECN bits' increase when marking CE */
-    bit<32>  checksum_step;     /* checksum - delta, before the ones'-complement borrow */
 }
 
 #endif

@@ -6,10 +6,10 @@
  * reads ig_intr_md_from_prsr.parser_err (which keeps such packets in the pipeline on
  * Tofino) and turns it into drop_truncated / drop_bad_length.
  *
- * Egress: the bridged header says what follows. A RESULT arrives with ceil(nv / 4) whole
- * sum words; the egress parser keeps nv / 4 of them, the first nv % 4 bytes of the last one
- * as a tail header, and skips the rest of that word, so the frame carries exactly
- * num_values result bytes (Tofino has no truncate). */
+ * Egress: the bridged header says what follows. A RESULT or STRAGGLER is parsed up to its
+ * AGG header only: its sums (exactly num_values bytes, cut to size in the ingress, see
+ * BuildAggReply) pass through as payload. Parsing them here too would take the egress
+ * parser past Tofino's maximum parse depth (160 bytes with the intrinsic metadata). */
 #ifndef _THC_INA_TNA_PARSER_P4_
 #define _THC_INA_TNA_PARSER_P4_
 
@@ -19,15 +19,6 @@
         transition select(hdr.agg.num_values) {                     \
             (2 * k + 1): accept;                                    \
             (2 * k + 2): accept;                                    \
-            default: next;                                          \
-        }                                                           \
-    }
-
-#define PARSE_SUM_WORD(k, next)                                     \
-    state parse_word_##k {                                          \
-        pkt.extract(hdr.sums[k]);                                   \
-        transition select(hdr.agg.num_values[6:2]) {                \
-            (k + 1): parse_tail;                                    \
             default: next;                                          \
         }                                                           \
     }
@@ -142,7 +133,10 @@ control IngressDeparser(packet_out pkt,
         pkt.emit(hdr.udp);
         pkt.emit(hdr.agg);
         pkt.emit(hdr.idx);      /* invalid on everything the aggregator emits */
-        pkt.emit(hdr.sums);     /* RESULT: ceil(num_values / 4) words */
+        pkt.emit(hdr.sums);     /* RESULT: num_values / 4 whole words */
+        pkt.emit(hdr.tail8);    /* and the first num_values % 4 bytes of the next */
+        pkt.emit(hdr.tail16);
+        pkt.emit(hdr.tail24);
     }
 }
 
@@ -179,64 +173,13 @@ parser EgressParser(packet_in pkt,
         transition accept;
     }
 
-    /* RESULT or STRAGGLER built by the ingress: no options, no fragments */
+    /* RESULT or STRAGGLER built by the ingress: no options, no fragments; the sums
+     * stay payload */
     state parse_reply {
         pkt.extract(hdr.ethernet);
         pkt.extract(hdr.ipv4);
         pkt.extract(hdr.udp);
         pkt.extract(hdr.agg);
-        transition select(hdr.agg.pkt_type) {
-            TYPE_RESULT: parse_result;
-            default: accept;
-        }
-    }
-
-    state parse_result {
-        transition select(hdr.agg.num_values[6:2]) {
-            0: parse_tail;
-            default: parse_word_0;
-        }
-    }
-
-    PARSE_SUM_WORD(0,  parse_word_1)  PARSE_SUM_WORD(1,  parse_word_2)
-    PARSE_SUM_WORD(2,  parse_word_3)  PARSE_SUM_WORD(3,  parse_word_4)
-    PARSE_SUM_WORD(4,  parse_word_5)  PARSE_SUM_WORD(5,  parse_word_6)
-    PARSE_SUM_WORD(6,  parse_word_7)  PARSE_SUM_WORD(7,  parse_word_8)
-    PARSE_SUM_WORD(8,  parse_word_9)  PARSE_SUM_WORD(9,  parse_word_10)
-    PARSE_SUM_WORD(10, parse_word_11) PARSE_SUM_WORD(11, parse_word_12)
-    PARSE_SUM_WORD(12, parse_word_13) PARSE_SUM_WORD(13, parse_word_14)
-    PARSE_SUM_WORD(14, parse_word_15)
-
-    state parse_word_15 {               /* num_values 64 */
-        pkt.extract(hdr.sums[15]);
-        transition parse_tail;
-    }
-
-    /* the partial last word: keep its first num_values % 4 bytes, skip the others */
-    state parse_tail {
-        transition select(hdr.agg.num_values[1:0]) {
-            1: parse_tail8;
-            2: parse_tail16;
-            3: parse_tail24;
-            default: accept;
-        }
-    }
-
-    state parse_tail8 {
-        pkt.extract(hdr.tail8);
-        pkt.advance(24);
-        transition accept;
-    }
-
-    state parse_tail16 {
-        pkt.extract(hdr.tail16);
-        pkt.advance(16);
-        transition accept;
-    }
-
-    state parse_tail24 {
-        pkt.extract(hdr.tail24);
-        pkt.advance(8);
         transition accept;
     }
 }
@@ -253,7 +196,7 @@ control EgressDeparser(packet_out pkt,
          * (dlcp.p4), everything else leaves its checksum untouched. */
         if (meta.full_checksum == 1) {
             hdr.ipv4.hdr_checksum = ipv4_checksum.update({
-                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.dscp, hdr.ipv4.ecn,
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv,
                 hdr.ipv4.total_len, hdr.ipv4.identification, hdr.ipv4.flags,
                 hdr.ipv4.frag_offset, hdr.ipv4.ttl, hdr.ipv4.protocol,
                 hdr.ipv4.src_addr, hdr.ipv4.dst_addr });
@@ -262,10 +205,6 @@ control EgressDeparser(packet_out pkt,
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.agg);
-        pkt.emit(hdr.sums);
-        pkt.emit(hdr.tail8);
-        pkt.emit(hdr.tail16);
-        pkt.emit(hdr.tail24);
     }
 }
 

@@ -71,15 +71,19 @@ control SwitchIngress(inout headers_t hdr,
         meta.global_cell = cell;
     }
 
+    /* The counter index is computed where the cell is chosen: Tofino's counter
+     * addresses a plain field, not the sum. */
     action drop_job(bit<8> cell) {
         meta.count_job = 1;
         meta.job_cell = cell;
+        meta.job_counter_index = meta.counter_base + (bit<16>)cell;
         ig_dprsr_md.drop_ctl = 1;
     }
 
     action count_job(bit<8> cell) {
         meta.count_job = 1;
         meta.job_cell = cell;
+        meta.job_counter_index = meta.counter_base + (bit<16>)cell;
     }
 
     apply {
@@ -132,12 +136,7 @@ control SwitchIngress(inout headers_t hdr,
                    ((hdr.agg.expected == 0 && hdr.agg.min_count == 0) ||
                     (hdr.agg.expected != 0 && meta.worker_expected == 0))) {
             drop_job(JC_DROP_BAD_EXPECTED);
-        } else if (hdr.agg.pkt_type == TYPE_DATA &&
-                   (meta.stray_workers != 0 ||
-                    (hdr.agg.min_count != 0 && hdr.agg.expected != 0 &&
-                     (meta.too_few_expected == 1 || hdr.agg.min_count[7:6] != 0)) ||
-                    (hdr.agg.min_count != 0 && hdr.agg.expected == 0 &&
-                     meta.members_gap[15:15] == 1))) {
+        } else if (hdr.agg.pkt_type == TYPE_DATA && meta.unsatisfiable == 1) {
             drop_job(JC_DROP_UNSATISFIABLE);            /* rule R3 */
         } else {
             /* ---- a valid DATA or FLUSH of a member ---- */
@@ -172,7 +171,6 @@ control SwitchIngress(inout headers_t hdr,
 
         /* exactly one counter cell per packet */
         if (meta.count_job == 1) {
-            meta.job_counter_index = meta.counter_base + (bit<16>)meta.job_cell;
             job_counters.count(meta.job_counter_index);
         } else {
             global_counters.count(meta.global_cell);

@@ -79,6 +79,23 @@ control AggValidation(in headers_t hdr, inout ingress_metadata_t meta) {
         size = 2048;
     }
 
+    /* popcount(expected) = a + b + c: two dependent adds, so two tables (one action
+     * cannot span stages, and the compiler merges plain assignments into one) */
+    action add_bits_ab() { meta.expected_bits_ab = meta.expected_bits_a + meta.expected_bits_b; }
+    action add_bits_c() { meta.expected_size = meta.expected_bits_ab + meta.expected_bits_c; }
+
+    table expected_size_ab {
+        actions = { add_bits_ab; }
+        const default_action = add_bits_ab();
+        size = 1;
+    }
+
+    table expected_size_abc {
+        actions = { add_bits_c; }
+        const default_action = add_bits_c();
+        size = 1;
+    }
+
     apply {
         agg_lengths.apply();
         expected_bits_high.apply();
@@ -91,8 +108,26 @@ control AggValidation(in headers_t hdr, inout ingress_metadata_t meta) {
         meta.members_gap = (bit<16>)meta.member_count - (bit<16>)hdr.agg.min_count;
         meta.stray_workers = hdr.agg.expected & meta.nonmember_mask;
         meta.worker_expected = hdr.agg.expected & meta.worker_bit;
-        meta.expected_size = meta.expected_bits_a + meta.expected_bits_b;
-        meta.expected_size = meta.expected_size + meta.expected_bits_c;
+        expected_size_ab.apply();
+        expected_size_abc.apply();
+        /* Rule R3 as single tests: the whole condition in one if is more than one gateway
+         * can evaluate. */
+        meta.unsatisfiable = 0;
+        if (meta.stray_workers != 0) {
+            meta.unsatisfiable = 1;                   /* expected names non-members */
+        }
+        if (hdr.agg.min_count != 0) {
+            if (hdr.agg.expected != 0) {
+                if (meta.too_few_expected == 1) {
+                    meta.unsatisfiable = 1;           /* min_count > popcount(expected) */
+                }
+                if (hdr.agg.min_count[7:6] != 0) {
+                    meta.unsatisfiable = 1;           /* min_count >= 64 */
+                }
+            } else if (meta.members_gap[15:15] == 1) {
+                meta.unsatisfiable = 1;               /* min_count > the job's members */
+            }
+        }
     }
 }
 

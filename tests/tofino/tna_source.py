@@ -141,9 +141,11 @@ def _tables(body: str) -> dict[str, Table]:
         dflt = re.search(r"\bdefault_action\s*=\s*(\w+)\s*\(([^)]*)\)", tb)
         default = None if dflt is None else (
             dflt.group(1), [eval_int(a) for a in dflt.group(2).split(",") if a.strip()])
-        out[m.group(1)] = Table(m.group(1), keys, actions, default_only,
-                                "const entries" in tb, size and eval_int(size.group(1)),
-                                default)
+        # constant: entries fixed by the program, or a keyless table whose one action the
+        # program fixes (an add in a stage of its own)
+        constant = "const entries" in tb or (not keys and "const default_action" in tb)
+        out[m.group(1)] = Table(m.group(1), keys, actions, default_only, constant,
+                                size and eval_int(size.group(1)), default)
     return out
 
 
