@@ -1,6 +1,7 @@
 """Shared set-up for the host tests (imported by name: tests/host is not a package, so
 its modules cannot shadow the real `host` package)."""
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -66,3 +67,42 @@ class FakeAggregatorSocket:
         data, anc, _, source = self.sock.recvmsg(4096, socket.CMSG_SPACE(4))
         tos = [c[2][0] for c in anc if c[0] == socket.IPPROTO_IP and c[1] == socket.IP_TOS]
         return data, (tos[0] if tos else None), source
+
+
+def run_worker_processes(worker, args, world: int, *, expect: int | None = None,
+                         seconds: float = 150, fail_on_death: bool = True) -> dict:
+    """Start `world` forkserver processes worker(*args(rank, init_url, queue)); collect one
+    (rank, value) per reporting worker from the queue (`expect` of them, default all),
+    join them, and fail on a dead process (fail_on_death) or a reported crash."""
+    import torch.multiprocessing as mp
+
+    expect = world if expect is None else expect
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=args(r, init, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        deadline = time.monotonic() + seconds
+        while len(results) < expect and time.monotonic() < deadline:
+            try:
+                rank, value = queue.get(timeout=1)
+                results[rank] = value
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                assert not (fail_on_death and dead), \
+                    f"worker processes {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+        assert len(results) == expect, f"only ranks {sorted(results)} reported in time"
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
+    assert not crashed, crashed
+    return results

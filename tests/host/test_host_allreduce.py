@@ -5,8 +5,6 @@ this machine); each scenario's outcome comes back to the parent, and the tests b
 them one by one.
 """
 import datetime
-import socket
-import time
 import traceback
 
 import numpy as np
@@ -14,7 +12,7 @@ import pytest
 
 import thc
 
-from hosttest_util import free_port, job_config
+from hosttest_util import free_port, job_config, run_worker_processes
 
 WORLD = 3
 D = 50_000
@@ -140,42 +138,16 @@ def _absent_rank_scenario(rank):
 
 
 def _launch(absent=False):
-    import torch.multiprocessing as mp
-
     from dataplane.udp_service import serve
     members = [("127.0.0.1", free_port()) for _ in range(WORLD)]
     svc = serve(job_config(members, 16), "127.0.0.1", 0)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    queue = ctx.Queue()
     aggregator = f"{svc.address[0]}:{svc.address[1]}"
-    procs = [ctx.Process(target=_worker, args=(r, init, aggregator, members, queue, absent))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {}
     try:
-        deadline = time.monotonic() + 150
-        while len(results) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, value = queue.get(timeout=1)
-                results[rank] = value
-            except Exception:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                assert not dead, f"worker processes {dead} died (exit codes " \
-                    f"{[procs[r].exitcode for r in dead]})"
-        assert len(results) == WORLD, f"only ranks {sorted(results)} reported in time"
+        results = run_worker_processes(
+            _worker, lambda r, init, queue: (r, init, aggregator, members, queue, absent),
+            WORLD, seconds=150)
     finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
         counters = svc.stop()
-    crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
-    assert not crashed, crashed
     return results, counters
 
 

@@ -6,7 +6,6 @@ a worker that dies in the middle of training.
 """
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -16,7 +15,7 @@ import pytest
 import thc
 from host.allreduce import CHUNK_KEY_STRIDE
 
-from hosttest_util import free_port, job_config
+from hosttest_util import free_port, job_config, run_worker_processes
 
 WORLD = 3
 D = 50_000
@@ -145,41 +144,16 @@ def _worker(rank, init, aggregator, members, queue, scenario):
 
 
 def _launch(scenario, expect=WORLD):
-    import torch.multiprocessing as mp
-
     from dataplane.udp_service import serve
     members = [("127.0.0.1", free_port()) for _ in range(WORLD)]
     svc = serve(job_config(members, 16), "127.0.0.1", 0)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    queue = ctx.Queue()
     aggregator = f"{svc.address[0]}:{svc.address[1]}"
-    procs = [ctx.Process(target=_worker, args=(r, init, aggregator, members, queue, scenario))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {}
     try:
-        deadline = time.monotonic() + 240
-        while len(results) < expect and time.monotonic() < deadline:
-            try:
-                rank, value = queue.get(timeout=1)
-                results[rank] = value
-            except Exception:
-                pass
-        assert len(results) == expect, f"only ranks {sorted(results)} reported in time"
+        return run_worker_processes(
+            _worker, lambda r, init, queue: (r, init, aggregator, members, queue, scenario),
+            WORLD, expect=expect, seconds=240, fail_on_death=False)
     finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
         svc.stop()
-    crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
-    assert not crashed, crashed
-    return results
 
 
 @pytest.fixture(scope="module")
