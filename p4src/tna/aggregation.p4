@@ -438,7 +438,10 @@ control BuildAggReply(inout headers_t hdr,
         /* the received header otherwise (flags, reserved included), 5.3 */
         hdr.agg.pkt_type = TYPE_STRAGGLER;
         hdr.agg.num_values = 0;
-        hdr.agg.round = hdr.agg.round - meta.round_distance;     /* the copy's round */
+        /* the copy's round is round - round_distance, subtracted in egress: here the
+         * operands are sliced for the parity and the R1 sign, more sources than one
+         * ingress action may read */
+        hdr.bridge.round_back = meta.round_distance;
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
         hdr.bridge.kind = BRIDGE_AGG_UNICAST;
         hdr.bridge.dest_worker = hdr.agg.worker;
@@ -525,6 +528,9 @@ control ResultShape(inout headers_t hdr, inout egress_metadata_t meta) {
         contributor_bits_3.apply();
         contributor_pairs.apply();
         contributor_count.apply();
+        if (hdr.agg.pkt_type == TYPE_STRAGGLER) {
+            hdr.agg.round = hdr.agg.round - hdr.bridge.round_back;
+        }
         meta.late_bit = hdr.agg.contributors & meta.dest_worker_bit;
         if (hdr.agg.pkt_type == TYPE_RESULT && hdr.agg.flags == FLAG_RESERVE &&
             meta.late_bit == 0) {

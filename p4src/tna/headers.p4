@@ -63,6 +63,7 @@ header bridge_t {
     bit<1> is_data;             /* DLCP data band: selective drop and CE marking apply */
     bit<1> yellow;              /* Not-ECT data: the colour the TM drops first */
     bit<3> reserved;
+    bit<32> round_back;         /* STRAGGLER: packet round - the copy's round (R1) */
 }
 
 header ethernet_t {
