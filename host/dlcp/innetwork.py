@@ -75,14 +75,19 @@ def main_job_gradient(hidden: int = 256, seed: int = 0, batch: int = 32,
         idx = [torch.from_numpy(rng.choice(np.arange(w, len(xs), workers), batch,
                                            replace=False)) for w in range(workers)]
         grads = _worker_gradients(model, xs, ys, idx)
-        mean = np.mean(grads, axis=0)
-        offset = 0
-        for p in model.parameters():
-            n = p.numel()
-            p.grad.copy_(torch.from_numpy(mean[offset:offset + n]).view_as(p))
-            offset += n
+        _set_gradients(model, np.mean(grads, axis=0))
         opt.step()
     return grads
+
+
+def _set_gradients(model, flat: np.ndarray) -> None:
+    """Each parameter's .grad from its slice of one flat gradient vector."""
+    import torch
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad.copy_(torch.from_numpy(flat[offset:offset + n]).view_as(p))
+        offset += n
 
 
 # --------------------------------------------------------------------------- the codec path
@@ -188,12 +193,7 @@ def train(mode: str, *, drop_fraction: float, steps: int, hidden: int = 256, see
             count = int(round(drop_fraction * m["packets"]))
             lost = _choose_drops(m["ecn"], count, mode == "selective", drops)
             lost_total += len(lost)
-        mean = lossy_mean(codec, grads, lost, values_per_packet, round_=step)
-        offset = 0
-        for p in model.parameters():
-            n = p.numel()
-            p.grad.copy_(torch.from_numpy(mean[offset:offset + n]).view_as(p))
-            offset += n
+        _set_gradients(model, lossy_mean(codec, grads, lost, values_per_packet, round_=step))
         opt.step()
         if (step + 1) % 10 == 0 or step + 1 == steps:
             with torch.no_grad():
