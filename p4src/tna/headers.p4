@@ -211,7 +211,6 @@ struct ingress_metadata_t {
     bit<1>   report_drops;      /* TM drops are deflected to the drop-report port and counted */
     /* counters (counters.p4): exactly one of the two is counted per packet */
     bit<1>   count_job;
-    bit<8>   job_cell;
     bit<16>  job_counter_index;
     bit<8>   global_cell;
 }

@@ -75,14 +75,12 @@ control SwitchIngress(inout headers_t hdr,
      * addresses a plain field, not the sum. */
     action drop_job(bit<8> cell) {
         meta.count_job = 1;
-        meta.job_cell = cell;
         meta.job_counter_index = meta.counter_base + (bit<16>)cell;
         ig_dprsr_md.drop_ctl = 1;
     }
 
     action count_job(bit<8> cell) {
         meta.count_job = 1;
-        meta.job_cell = cell;
         meta.job_counter_index = meta.counter_base + (bit<16>)cell;
     }
 
