@@ -136,6 +136,19 @@ def malformed_cases(m0, m1, stranger, other_job, max_values):
     return cases
 
 
+def assert_round_is_exact(target, job, seed: int) -> None:
+    """A normal round of job 1's two members in SLOT (after an attack): exact sums to both."""
+    m0, m1 = job.members
+    idx = np.random.default_rng(seed).integers(0, 15, (2, VALUES))    # never index 15
+    frames = (data_frames(m0, idx[0], job=1, slot=SLOT, expected=3, vpp=VALUES)
+              + data_frames(m1, idx[1], job=1, slot=SLOT, expected=3, vpp=VALUES))
+    got = outputs(target.run(frames))
+    assert len(got) == 2
+    for m, o in zip(job.members, sorted(got, key=lambda o: o.worker)):
+        check_result(o, m, job=1, slot=SLOT, round_=0, sums=sums_of(idx), contributors=3,
+                     expected=3)
+
+
 def test_every_malformed_input_is_dropped_counted_and_changes_no_slot(target):
     job = make_job(1, 2, pool_size=16, values_per_packet=VALUES)
     other = make_job(2, 1, ports=[0])
@@ -149,14 +162,7 @@ def test_every_malformed_input_is_dropped_counted_and_changes_no_slot(target):
         want = want_global if scope == "global" else want_job
         want[counter] = want.get(counter, 0) + 1
         check_counters(target, glob=want_global, jobs={1: want_job, 2: {}})
-    idx = np.random.default_rng(9).integers(0, 15, (2, VALUES))       # never index 15
-    frames = (data_frames(m0, idx[0], job=1, slot=SLOT, expected=3, vpp=VALUES)
-              + data_frames(m1, idx[1], job=1, slot=SLOT, expected=3, vpp=VALUES))
-    got = outputs(target.run(frames))
-    assert len(got) == 2
-    for m, o in zip(job.members, sorted(got, key=lambda o: o.worker)):
-        check_result(o, m, job=1, slot=SLOT, round_=0, sums=sums_of(idx), contributors=3,
-                     expected=3)
+    assert_round_is_exact(target, job, seed=9)
     check_counters(target, glob=want_global,
                    jobs={1: want_job | dict(rx=2, aggregated=2, results_multicast=1)})
 
@@ -245,11 +251,4 @@ def test_fragments_for_the_aggregator_are_dropped_and_others_forwarded(target):
         assert out[12:] == sent[12:], "a forwarded fragment leaves untouched above layer 2"
     check_counters(target, glob={"drop_fragment": len(aimed), "forwarded": 2}, jobs={1: {}})
 
-    idx = np.random.default_rng(10).integers(0, 15, (2, VALUES))      # never index 15
-    frames = (data_frames(m0, idx[0], job=1, slot=SLOT, expected=3, vpp=VALUES)
-              + data_frames(m1, idx[1], job=1, slot=SLOT, expected=3, vpp=VALUES))
-    got = outputs(target.run(frames))
-    assert len(got) == 2
-    for m, o in zip(job.members, sorted(got, key=lambda o: o.worker)):
-        check_result(o, m, job=1, slot=SLOT, round_=0, sums=sums_of(idx), contributors=3,
-                     expected=3)
+    assert_round_is_exact(target, job, seed=10)
