@@ -42,6 +42,7 @@ PACKET_OUTGOING = 4
 PAUSE_RATE = 2                 # packets/s of a paused port's queues: the burst's budget is 1/rate
 MIN_PORTS = 8
 QUIET_S = 0.3                  # no frame for this long: the switch has emitted everything
+DRAIN_SLACK_S = 1.0            # a paused queue's drain may lag its 1/PAUSE_RATE clock this much
 
 
 def available() -> tuple[bool, str]:
@@ -209,15 +210,18 @@ class Bmv2Target(Target):
     def _drain_paused(self) -> list[tuple[int, bytes]]:
         """Wait until the paused ports' queues are empty. While any packet is queued, some
         packet of those queues passes the egress DLCP stage every 1/PAUSE_RATE s (sent or
-        dropped there), so departures that stop growing for longer mean empty queues."""
+        dropped there), so departures that stop growing for longer mean empty queues.
+        Timed conservatively (a change counts from the end of the read that saw it, the
+        silence up to the start of the read that still sees none) and with DRAIN_SLACK_S
+        to spare: on a loaded machine BMv2's egress thread or a counter read can stall."""
         out, last_count, last_change = [], -1, time.monotonic()
         while True:
             out.extend(self._collect(0.0))
+            asked = time.monotonic()
             count = sum(self._controller.port_departures(p) for p in self._paused)
-            now = time.monotonic()
             if count != last_count:
-                last_count, last_change = count, now
-            elif now - last_change > 1.0 / PAUSE_RATE + QUIET_S:
+                last_count, last_change = count, time.monotonic()
+            elif asked - last_change > 1.0 / PAUSE_RATE + DRAIN_SLACK_S:
                 return out + self._collect(QUIET_S)
             time.sleep(0.05)
 
