@@ -18,8 +18,8 @@ import re
 
 from bfrt_scripts.tofino_plan import (
     C_DLCP, C_GLOBAL, C_JOB, GLOBAL_COUNTER_CELLS_SIZE, INDEX_BYTES, JOB_COUNTER_STRIDE,
-    NUM_QUEUES, T_AGG_LENGTHS, T_CONTRIBUTOR_BITS, T_DROP_REPORTING,
-    T_DSCP, T_EXPECTED_BITS, T_EXPECTED_TOO_FEW, T_JOBS, T_MEMBER_ADDRESSES, T_MEMBERS,
+    NUM_QUEUES, T_AGG_LENGTHS, T_CONTRIBUTOR_BITS, T_DROP_REPORTING, T_DSCP, T_EXPECTED_BITS,
+    T_EXPECTED_IN_JOB, T_EXPECTED_TOO_FEW, T_JOBS, T_MEMBER_ADDRESSES, T_MEMBERS,
     T_NEXT_HOPS, T_QUEUE_THRESHOLDS, T_ROUTES, T_SWITCH_ADDRESS, YELLOW_STEPS, DefaultEntry,
     DeployOptions, TableEntry, TofinoPlan, counters_from_cells, key_kwargs, lookup_table,
     pipe_of, plan_switch)
@@ -184,8 +184,9 @@ class SwitchAddress(Control):
 
 
 class AggValidation(Control):
-    """Protocol constants: UDP lengths by type and count, popcount(expected) chunks, R3."""
-    tables = (T_AGG_LENGTHS, *T_EXPECTED_BITS, T_EXPECTED_TOO_FEW)
+    """Protocol constants (lengths by type and count, popcount(expected) chunks, R3) and
+    per job the members an expected set may name."""
+    tables = (T_AGG_LENGTHS, *T_EXPECTED_BITS, T_EXPECTED_TOO_FEW, T_EXPECTED_IN_JOB)
 
 
 class ByteLookup(Control):

@@ -32,6 +32,7 @@ GLOBAL_COUNTER_CELLS_SIZE = 16
 MAX_DEV_PORT = 511
 MAX_WORKERS = 32
 QUEUE_DEPTH_MAX_CELLS = (1 << 19) - 1   # enq_qdepth is 19 bits (cells)
+MARK_CELLS_MAX = (1 << 31) - 1          # K - enq_qdepth keeps its sign (dlcp.p4)
 DEFAULT_PROGRAM = "thc_ina"
 PLANE = "the Tofino program"
 
@@ -53,6 +54,7 @@ T_EXPECTED_BITS = (f"{INGRESS}.validation.expected_bits_high",
                    f"{INGRESS}.validation.expected_bits_low")
 EXPECTED_CHUNKS = ((21, 11, "set_bits_a"), (10, 11, "set_bits_b"), (0, 10, "set_bits_c"))
 T_EXPECTED_TOO_FEW = f"{INGRESS}.validation.expected_too_few"
+T_EXPECTED_IN_JOB = f"{INGRESS}.validation.expected_in_job"
 T_DSCP = f"{INGRESS}.dlcp_classify.dscp_to_queue"
 T_DROP_REPORTING = f"{INGRESS}.dlcp_classify.drop_reporting"
 T_ROUTES = f"{INGRESS}.ipv4_forwarding.routes"
@@ -353,8 +355,11 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
     entries = [_entry(T_JOBS, {"job": job.job}, "set_job", {
         "counter_base": layout.counter_base, "slot_base": layout.slot_base,
         "pool_size": layout.pool_size, "values_per_packet": values_per_packet(job),
-        "nonmember_mask": ~mask & 0xFFFFFFFF, "member_count": len(job.members),
-        "group": layout.group_id})]
+        "member_count": len(job.members), "group": layout.group_id})]
+    # rule R3: expected names members only, i.e. no bit outside the member mask
+    entries.append(_entry(T_EXPECTED_IN_JOB, {"job": job.job,
+                                              "expected": Ternary(0, ~mask & 0xFFFFFFFF),
+                                              "MATCH_PRIORITY": 1}, "members_only"))
     for m in sorted(job.members, key=lambda m: m.worker):
         entries.append(_entry(T_MEMBERS, {
             "job": job.job, "worker": m.worker, "port": options.dev_port(m.port),
@@ -364,8 +369,7 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
                                   "switch_mac": mac_int(config.mac),
                                   "switch_ip": ip_int(config.ip),
                                   "member_mac": mac_int(m.mac), "member_ip": ip_int(m.ip),
-                                  "member_udp_port": m.udp_port,
-                                  "worker_bit": 1 << m.worker}))
+                                  "member_udp_port": m.udp_port}))
     return entries + lookup_entries(job)
 
 
@@ -390,17 +394,20 @@ def payload_bytes(pkt_type: int, num_values: int) -> int:
     return (num_values + 1) // 2 if pkt_type == 0 else 0
 
 
+def _length_entry(pkt_type: int, num_values: Ternary, udp_length: int) -> TableEntry:
+    """UDP length as the type and count say, IPv4 length 20 more, the frame parsed whole."""
+    return _entry(T_AGG_LENGTHS, {"pkt_type": Ternary(pkt_type, 0xF), "num_values": num_values,
+                                  "udp_length": Ternary(udp_length, 0xFFFF),
+                                  "ip_length": Ternary(20 + udp_length, 0xFFFF),
+                                  "parser_err": Ternary(0, 0xFFFF),
+                                  "MATCH_PRIORITY": 1}, "length_fits")
+
+
 def validation_entries() -> list[TableEntry]:
     """Protocol constants the program reads from tables (validation.p4, aggregation.p4)."""
-    entries = [_entry(T_AGG_LENGTHS, {"pkt_type": Ternary(0, 0xF),
-                                      "num_values": Ternary(n, 0xFFFF),
-                                      "udp_length": Ternary(40 + payload_bytes(0, n), 0xFFFF),
-                                      "MATCH_PRIORITY": 1}, "length_fits")
+    entries = [_length_entry(0, Ternary(n, 0xFFFF), 40 + payload_bytes(0, n))
                for n in range(1, TOFINO_MAX_VALUES + 1)]
-    entries.append(_entry(T_AGG_LENGTHS, {"pkt_type": Ternary(3, 0xF),
-                                          "num_values": Ternary(0, 0),
-                                          "udp_length": Ternary(40, 0xFFFF),
-                                          "MATCH_PRIORITY": 1}, "length_fits"))
+    entries.append(_length_entry(3, Ternary(0, 0), 40))       # FLUSH: num_values ignored
     for table, (_, width, action) in zip(T_EXPECTED_BITS, EXPECTED_CHUNKS):
         entries += [_entry(table, {"chunk": chunk}, action, {"bits": bin(chunk).count("1")})
                     for chunk in range(1 << width)]
@@ -450,8 +457,9 @@ def dlcp_plan(config: SwitchConfig, options: DeployOptions,
                       {"queue": queue, "is_data": int(is_data)})
                for dscp, (queue, is_data) in sorted(dlcp.dscp_map.items())]
     for queue in range(NUM_QUEUES):
-        # K in cells; a threshold past the capacity never marks (the queue is full first)
-        mark = min(int(dlcp.thresholds[queue]) * cpp, 0xFFFFFFFF)
+        # K in cells; a threshold past the capacity never marks (the queue is full first).
+        # Below 2^31: the egress reads the sign of K - depth (depth < 2^19 cells).
+        mark = min(int(dlcp.thresholds[queue]) * cpp, MARK_CELLS_MAX)
         entries.append(_entry(T_QUEUE_THRESHOLDS, {"queue": queue}, "set_threshold",
                               {"mark_cells": mark}))
     queues = [QueueSetting(port, queue, queue, capacity_cells,

@@ -44,6 +44,9 @@ struct occupancy_t {
  * what the packet does to the copy. */
 control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
     Register<occupancy_t, slot_index_t>(SLOT_BUDGET) occupancy;
+    /* (round & 1) ++ slot_index through the hash unit: an ALU concatenation would tie the
+     * round's bit 0 and the slot index to one container layout */
+    Hash<copy_index_t>(HashAlgorithm_t.IDENTITY) copy_of_slot;
 
     RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy0 = {
         void apply(inout occupancy_t cell, out bit<8> was_occupied) {
@@ -145,7 +148,7 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
         if (hdr.agg.pkt_type == TYPE_FLUSH) {
             flush_slot();                               /* protocol.md 4.6 */
         } else {
-            meta.copy_index = hdr.agg.round[0:0] ++ meta.slot_index;
+            meta.copy_index = copy_of_slot.get({hdr.agg.round[0:0], meta.slot_index});
             if (meta.expected_size == 0 || hdr.agg.min_count != 0) {
                 meta.target = hdr.agg.min_count;        /* k of n */
             } else {
@@ -177,23 +180,34 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
                     count_read();
                 }
             }
-            /* section 4.2 step 3 and 4.3 */
+            /* section 4.2 step 3 and 4.3; and what the sum words (sum_op) and the
+             * contributor bitmap (bitmap_op) do, decided once here so that each of
+             * those registers is one table keyed on a field, with no gateways */
             if (meta.fresh == 1) {
+                meta.sum_op = OP_START;
+                meta.bitmap_op = OP_START;
                 if (meta.target == 1) {
                     meta.outcome = OUTCOME_COMPLETE;
                 } else {
                     meta.outcome = OUTCOME_PENDING;
                 }
             } else if (meta.obsolete == 1) {
+                meta.bitmap_op = OP_READ;
                 meta.outcome = OUTCOME_STRAGGLER;
             } else if (meta.left_before == 0) {
+                meta.sum_op = OP_READ;
+                meta.bitmap_op = OP_READ;
                 meta.outcome = OUTCOME_RESERVE;         /* done: the stored result */
             } else if (meta.already_seen != 0) {
                 meta.outcome = OUTCOME_DUPLICATE;
-            } else if (meta.left_before == 1) {
-                meta.outcome = OUTCOME_COMPLETE;
             } else {
-                meta.outcome = OUTCOME_PENDING;
+                meta.sum_op = OP_ADD;
+                meta.bitmap_op = OP_ADD;
+                if (meta.left_before == 1) {
+                    meta.outcome = OUTCOME_COMPLETE;
+                } else {
+                    meta.outcome = OUTCOME_PENDING;
+                }
             }
         }
     }
@@ -230,18 +244,23 @@ control SumWord(in ingress_metadata_t meta,
     action start_sum() { sums = first_values.execute(meta.copy_index); }
     action add_sum() { sums = add_values.execute(meta.copy_index); }
     action read_sum() { sums = read_values.execute(meta.copy_index); }
+    action leave_sum() { }
+
+    /* what SlotState decided (sum_op), so all registers agree on what happened */
+    table sum_word {
+        key = { meta.sum_op : exact @name("sum_op"); }
+        actions = { start_sum; add_sum; read_sum; leave_sum; }
+        const default_action = leave_sum();
+        size = 4;
+        const entries = {
+            OP_START : start_sum();
+            OP_ADD   : add_sum();                   /* aggregate */
+            OP_READ  : read_sum();                  /* re-serve */
+        }
+    }
 
     apply {
-        /* the same answers SlotState used, so all registers agree on what happened */
-        if (meta.fresh == 1) {
-            start_sum();
-        } else if (meta.same_round == 1) {
-            if (meta.left_before == 0) {
-                read_sum();                             /* re-serve */
-            } else if (meta.already_seen == 0) {
-                add_sum();                              /* aggregate */
-            }
-        }
+        sum_word.apply();
     }
 }
 
@@ -317,54 +336,57 @@ control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
         hdr.agg.min_count = load_min_count.execute(meta.copy_index);
     }
 
+    action leave_fields() { }
+
+    table contributor_bitmap {
+        key = { meta.bitmap_op : exact @name("bitmap_op"); }
+        actions = { start_bitmap; join_bitmap; read_bitmap; leave_fields; }
+        const default_action = leave_fields();
+        size = 4;
+        const entries = {
+            OP_START : start_bitmap();
+            OP_ADD   : join_bitmap();               /* aggregate */
+            OP_READ  : read_bitmap();               /* STRAGGLER, re-serve, late worker */
+        }
+    }
+
+    /* a completion stores the field, a re-serve loads it back into the header */
+#define RESULT_FIELD(field)                                                         \
+    table keep_##field {                                                            \
+        key = { meta.outcome : exact @name("outcome"); }                            \
+        actions = { store_##field##_field; load_##field##_field; leave_fields; }    \
+        const default_action = leave_fields();                                      \
+        size = 2;                                                                   \
+        const entries = {                                                           \
+            OUTCOME_COMPLETE : store_##field##_field();                             \
+            OUTCOME_RESERVE  : load_##field##_field();                              \
+        }                                                                           \
+    }
+    RESULT_FIELD(num_values)
+    RESULT_FIELD(expected)
+    RESULT_FIELD(tensor)
+    RESULT_FIELD(offset)
+    RESULT_FIELD(min_count)
+
     apply {
-        /* one call site per register action: one table, one stage for the register */
-        if (meta.fresh == 1) {
-            start_bitmap();
-        } else if (meta.obsolete == 1 || (meta.same_round == 1 && meta.left_before == 0)) {
-            read_bitmap();                              /* STRAGGLER, re-serve, late worker */
-        } else if (meta.same_round == 1 && meta.already_seen == 0) {
-            join_bitmap();                              /* aggregate */
-        }
-        /* num_values first: the RESULT's word count waits for it */
-        if (meta.outcome == OUTCOME_COMPLETE) {
-            store_num_values_field();
-        } else if (meta.outcome == OUTCOME_RESERVE) {
-            load_num_values_field();
-        }
-        if (meta.outcome == OUTCOME_COMPLETE) {
-            store_expected_field();
-        } else if (meta.outcome == OUTCOME_RESERVE) {
-            load_expected_field();
-        }
-        if (meta.outcome == OUTCOME_COMPLETE) {
-            store_tensor_field();
-        } else if (meta.outcome == OUTCOME_RESERVE) {
-            load_tensor_field();
-        }
-        if (meta.outcome == OUTCOME_COMPLETE) {
-            store_offset_field();
-        } else if (meta.outcome == OUTCOME_RESERVE) {
-            load_offset_field();
-        }
-        if (meta.outcome == OUTCOME_COMPLETE) {
-            store_min_count_field();
-        } else if (meta.outcome == OUTCOME_RESERVE) {
-            load_min_count_field();
-        }
+        /* one table per register: one call site per register action */
+        contributor_bitmap.apply();
+        keep_num_values.apply();      /* first: the RESULT's word count waits for it */
+        keep_expected.apply();
+        keep_tensor.apply();
+        keep_offset.apply();
+        keep_min_count.apply();
     }
 }
 
-#define WORD_VALID(k) if (hdr.agg.num_values >= 4 * k + 4) { hdr.sums[k].setValid(); }
-/* The partial last word k of a RESULT (num_values % 4 != 0): its first 1, 2 or 3 lanes
- * as a tail header, so the frame carries exactly num_values bytes (Tofino has no truncate). */
-#define PARTIAL_WORD(k)                                                                   \
-    action tail8_of_##k()  { hdr.tail8.setValid();  hdr.tail8.lanes  = hdr.sums[k].lanes[31:24]; } \
-    action tail16_of_##k() { hdr.tail16.setValid(); hdr.tail16.lanes = hdr.sums[k].lanes[31:16]; } \
-    action tail24_of_##k() { hdr.tail24.setValid(); hdr.tail24.lanes = hdr.sums[k].lanes[31:8]; }
-#define PARTIAL_WORD_ACTIONS(k) tail8_of_##k; tail16_of_##k; tail24_of_##k;
-#define PARTIAL_WORD_ENTRIES(k)                                                           \
-    (4 * k + 1): tail8_of_##k(); (4 * k + 2): tail16_of_##k(); (4 * k + 3): tail24_of_##k();
+/* words_k: the first k sum words go out; the RESULT's last word may be partial
+ * (num_values % 4 != 0), its unused lanes trail the datagram as link-layer padding
+ * (protocol.md 5.1; Tofino cannot cut a container short). */
+#define RESULT_WORDS_ACTION(k, prev) \
+    action words_##k() { words_##prev(); hdr.sums[k - 1].setValid(); }
+#define RESULT_WORDS_ENTRIES(k) \
+    (4 * k - 3): words_##k(); (4 * k - 2): words_##k(); \
+    (4 * k - 1): words_##k(); (4 * k): words_##k();
 
 /* Turns the DATA packet into the RESULT or STRAGGLER of protocol.md section 5 and sends it
  * on: the TM multicasts a completion to the job's group, re-serves and notices go back out
@@ -387,34 +409,33 @@ control BuildAggReply(inout headers_t hdr,
         hdr.idx[30].setInvalid(); hdr.idx[31].setInvalid();
     }
 
-    PARTIAL_WORD(0)  PARTIAL_WORD(1)  PARTIAL_WORD(2)  PARTIAL_WORD(3)
-    PARTIAL_WORD(4)  PARTIAL_WORD(5)  PARTIAL_WORD(6)  PARTIAL_WORD(7)
-    PARTIAL_WORD(8)  PARTIAL_WORD(9)  PARTIAL_WORD(10) PARTIAL_WORD(11)
-    PARTIAL_WORD(12) PARTIAL_WORD(13) PARTIAL_WORD(14) PARTIAL_WORD(15)
+    action words_0() { }
+    RESULT_WORDS_ACTION(1, 0)   RESULT_WORDS_ACTION(2, 1)   RESULT_WORDS_ACTION(3, 2)
+    RESULT_WORDS_ACTION(4, 3)   RESULT_WORDS_ACTION(5, 4)   RESULT_WORDS_ACTION(6, 5)
+    RESULT_WORDS_ACTION(7, 6)   RESULT_WORDS_ACTION(8, 7)   RESULT_WORDS_ACTION(9, 8)
+    RESULT_WORDS_ACTION(10, 9)  RESULT_WORDS_ACTION(11, 10) RESULT_WORDS_ACTION(12, 11)
+    RESULT_WORDS_ACTION(13, 12) RESULT_WORDS_ACTION(14, 13) RESULT_WORDS_ACTION(15, 14)
+    RESULT_WORDS_ACTION(16, 15)
 
-    action whole_words() { }
-
-    table partial_word {
-        key = { hdr.agg.num_values : exact; }
+    /* ceil(num_values / 4) words (a STRAGGLER's num_values is 0: none). A table, not a
+     * chain of "num_values > 4k" tests: a gateway compares at most 12 bits by range. */
+    table result_words {
+        key = { hdr.agg.num_values : exact @name("num_values"); }
         actions = {
-            PARTIAL_WORD_ACTIONS(0)  PARTIAL_WORD_ACTIONS(1)  PARTIAL_WORD_ACTIONS(2)
-            PARTIAL_WORD_ACTIONS(3)  PARTIAL_WORD_ACTIONS(4)  PARTIAL_WORD_ACTIONS(5)
-            PARTIAL_WORD_ACTIONS(6)  PARTIAL_WORD_ACTIONS(7)  PARTIAL_WORD_ACTIONS(8)
-            PARTIAL_WORD_ACTIONS(9)  PARTIAL_WORD_ACTIONS(10) PARTIAL_WORD_ACTIONS(11)
-            PARTIAL_WORD_ACTIONS(12) PARTIAL_WORD_ACTIONS(13) PARTIAL_WORD_ACTIONS(14)
-            PARTIAL_WORD_ACTIONS(15)
-            whole_words;
+            words_0;  words_1;  words_2;  words_3;  words_4;  words_5;  words_6;  words_7;
+            words_8;  words_9;  words_10; words_11; words_12; words_13; words_14; words_15;
+            words_16;
         }
+        const default_action = words_0();
+        size = MAX_VALUES;
         const entries = {
-            PARTIAL_WORD_ENTRIES(0)  PARTIAL_WORD_ENTRIES(1)  PARTIAL_WORD_ENTRIES(2)
-            PARTIAL_WORD_ENTRIES(3)  PARTIAL_WORD_ENTRIES(4)  PARTIAL_WORD_ENTRIES(5)
-            PARTIAL_WORD_ENTRIES(6)  PARTIAL_WORD_ENTRIES(7)  PARTIAL_WORD_ENTRIES(8)
-            PARTIAL_WORD_ENTRIES(9)  PARTIAL_WORD_ENTRIES(10) PARTIAL_WORD_ENTRIES(11)
-            PARTIAL_WORD_ENTRIES(12) PARTIAL_WORD_ENTRIES(13) PARTIAL_WORD_ENTRIES(14)
-            PARTIAL_WORD_ENTRIES(15)
+            RESULT_WORDS_ENTRIES(1)  RESULT_WORDS_ENTRIES(2)  RESULT_WORDS_ENTRIES(3)
+            RESULT_WORDS_ENTRIES(4)  RESULT_WORDS_ENTRIES(5)  RESULT_WORDS_ENTRIES(6)
+            RESULT_WORDS_ENTRIES(7)  RESULT_WORDS_ENTRIES(8)  RESULT_WORDS_ENTRIES(9)
+            RESULT_WORDS_ENTRIES(10) RESULT_WORDS_ENTRIES(11) RESULT_WORDS_ENTRIES(12)
+            RESULT_WORDS_ENTRIES(13) RESULT_WORDS_ENTRIES(14) RESULT_WORDS_ENTRIES(15)
+            RESULT_WORDS_ENTRIES(16)
         }
-        const default_action = whole_words();
-        size = 64;
     }
 
     action multicast_result() {
@@ -456,13 +477,7 @@ control BuildAggReply(inout headers_t hdr,
         } else {
             straggler_notice();
         }
-        if (hdr.agg.pkt_type == TYPE_RESULT) {
-            WORD_VALID(0)  WORD_VALID(1)  WORD_VALID(2)  WORD_VALID(3)
-            WORD_VALID(4)  WORD_VALID(5)  WORD_VALID(6)  WORD_VALID(7)
-            WORD_VALID(8)  WORD_VALID(9)  WORD_VALID(10) WORD_VALID(11)
-            WORD_VALID(12) WORD_VALID(13) WORD_VALID(14) WORD_VALID(15)
-            partial_word.apply();
-        }
+        result_words.apply();
     }
 }
 
@@ -521,6 +536,32 @@ control ResultShape(inout headers_t hdr, inout egress_metadata_t meta) {
         size = 1;
     }
 
+    action set_dest_in_sums(bit<1> named) {
+        meta.dest_in_sums = named;
+    }
+
+#define DEST_CONTRIBUTED(w) (w, (32w1 << w) &&& (32w1 << w)): set_dest_in_sums(1);
+    /* contributors & (1 << dest worker) != 0 (Tofino has no shift by a field) */
+    table dest_contributed {
+        key = {
+            meta.dest_worker     : exact @name("worker");
+            hdr.agg.contributors : ternary @name("contributors");
+        }
+        actions = { set_dest_in_sums; }
+        const default_action = set_dest_in_sums(0);
+        size = 32;
+        const entries = {
+            DEST_CONTRIBUTED(0)  DEST_CONTRIBUTED(1)  DEST_CONTRIBUTED(2)  DEST_CONTRIBUTED(3)
+            DEST_CONTRIBUTED(4)  DEST_CONTRIBUTED(5)  DEST_CONTRIBUTED(6)  DEST_CONTRIBUTED(7)
+            DEST_CONTRIBUTED(8)  DEST_CONTRIBUTED(9)  DEST_CONTRIBUTED(10) DEST_CONTRIBUTED(11)
+            DEST_CONTRIBUTED(12) DEST_CONTRIBUTED(13) DEST_CONTRIBUTED(14) DEST_CONTRIBUTED(15)
+            DEST_CONTRIBUTED(16) DEST_CONTRIBUTED(17) DEST_CONTRIBUTED(18) DEST_CONTRIBUTED(19)
+            DEST_CONTRIBUTED(20) DEST_CONTRIBUTED(21) DEST_CONTRIBUTED(22) DEST_CONTRIBUTED(23)
+            DEST_CONTRIBUTED(24) DEST_CONTRIBUTED(25) DEST_CONTRIBUTED(26) DEST_CONTRIBUTED(27)
+            DEST_CONTRIBUTED(28) DEST_CONTRIBUTED(29) DEST_CONTRIBUTED(30) DEST_CONTRIBUTED(31)
+        }
+    }
+
     apply {
         contributor_bits_0.apply();
         contributor_bits_1.apply();
@@ -531,9 +572,9 @@ control ResultShape(inout headers_t hdr, inout egress_metadata_t meta) {
         if (hdr.agg.pkt_type == TYPE_STRAGGLER) {
             hdr.agg.round = hdr.agg.round - hdr.bridge.round_back;
         }
-        meta.late_bit = hdr.agg.contributors & meta.dest_worker_bit;
+        dest_contributed.apply();
         if (hdr.agg.pkt_type == TYPE_RESULT && hdr.agg.flags == FLAG_RESERVE &&
-            meta.late_bit == 0) {
+            meta.dest_in_sums == 0) {
             hdr.agg.flags = FLAG_RESERVE | FLAG_LATE;
         }
         hdr.udp.length = UDP_HEADER_LEN + AGG_HEADER_LEN + hdr.agg.num_values;

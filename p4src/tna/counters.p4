@@ -19,16 +19,16 @@
 #define DLCP_COUNTER_CELLS   4
 
 /* Per-job cells: counter_base + JC_*. */
-const bit<8> JC_PENDING            = 0;
-const bit<8> JC_COMPLETE           = 1;
-const bit<8> JC_DUPLICATE          = 2;
-const bit<8> JC_RESERVED           = 3;
-const bit<8> JC_STRAGGLER          = 4;
-const bit<8> JC_FLUSH              = 5;
-const bit<8> JC_DROP_BAD_SLOT      = 6;
-const bit<8> JC_DROP_NOT_MEMBER    = 7;
-const bit<8> JC_DROP_BAD_EXPECTED  = 8;
-const bit<8> JC_DROP_UNSATISFIABLE = 9;
+const bit<16> JC_PENDING            = 0;
+const bit<16> JC_COMPLETE           = 1;
+const bit<16> JC_DUPLICATE          = 2;
+const bit<16> JC_RESERVED           = 3;
+const bit<16> JC_STRAGGLER          = 4;
+const bit<16> JC_FLUSH              = 5;
+const bit<16> JC_DROP_BAD_SLOT      = 6;
+const bit<16> JC_DROP_NOT_MEMBER    = 7;
+const bit<16> JC_DROP_BAD_EXPECTED  = 8;
+const bit<16> JC_DROP_UNSATISFIABLE = 9;
 
 /* Global cells of the ingress (global_counters). */
 const bit<8> GC_DROP_TRUNCATED    = 0;

@@ -87,7 +87,7 @@ control DlcpAdmission(inout headers_t hdr,
     table queue_thresholds {
         key = { hdr.bridge.queue : exact @name("queue"); }
         actions = { set_threshold; }
-        const default_action = set_threshold(0xFFFFFFFF);
+        const default_action = set_threshold(0x7FFFFFFF);   /* never: depth < 2^19 */
         size = 8;
     }
 
@@ -114,6 +114,25 @@ control DlcpAdmission(inout headers_t hdr,
         hdr.ipv4.diffserv[1:0] = 3;
     }
 
+    action pass_unchanged() { }
+
+    /* past K (the room's sign), by the packet's ECN: Not-ECT is unimportant and dropped,
+     * ECT(0) / ECT(1) important, kept and marked; CE stays as it is */
+    table past_threshold {
+        key = {
+            meta.depth_room[31:31]  : exact @name("past");
+            hdr.ipv4.diffserv[1:0]  : exact @name("ecn");
+        }
+        actions = { selective_drop; mark_ce; pass_unchanged; }
+        const default_action = pass_unchanged();
+        size = 4;
+        const entries = {
+            (1, 0) : selective_drop();
+            (1, 2) : mark_ce(1);
+            (1, 1) : mark_ce(2);
+        }
+    }
+
     apply {
         if (eg_intr_md.deflection_flag == 1) {
             /* a packet the TM refused at enqueue, deflected here to be counted */
@@ -124,16 +143,9 @@ control DlcpAdmission(inout headers_t hdr,
             }
         } else if (hdr.bridge.is_data == 1 && hdr.ipv4.isValid()) {
             queue_thresholds.apply();
-            meta.depth_excess = (bit<32>)eg_intr_md.enq_qdepth - meta.mark_threshold;
-            if (meta.depth_excess != 0 && meta.depth_excess[31:31] == 0) {
-                if (hdr.ipv4.diffserv[1:0] == 0) {
-                    selective_drop();       /* Not-ECT past K: unimportant */
-                } else if (hdr.ipv4.diffserv[1:0] == 2) {
-                    mark_ce(1);             /* ECT(0) past K: important, kept */
-                } else if (hdr.ipv4.diffserv[1:0] == 1) {
-                    mark_ce(2);             /* ECT(1) likewise */
-                }
-            }
+            /* K < 2^31 (the plan caps it) and depth < 2^19: the sign is exact */
+            meta.depth_room = meta.mark_threshold - (bit<32>)eg_intr_md.enq_qdepth;
+            past_threshold.apply();
         }
         if (meta.dlcp_count == 1) {
             dlcp_counters.count(meta.dlcp_cell);

@@ -11,14 +11,13 @@ control JobMembership(in headers_t hdr,
                       inout ingress_metadata_t meta,
                       in PortId_t ingress_port) {
     action set_job(bit<16> counter_base, slot_index_t slot_base, bit<16> pool_size,
-                   bit<16> values_per_packet, bit<32> nonmember_mask, bit<8> member_count,
+                   bit<16> values_per_packet, bit<8> member_count,
                    bit<16> group) {
         meta.job_known = 1;
         meta.counter_base = counter_base;
         meta.slot_base = slot_base;
         meta.pool_size = pool_size;
         meta.values_per_packet = values_per_packet;
-        meta.nonmember_mask = nonmember_mask;
         meta.member_count = member_count;
         meta.group = group;
     }
@@ -195,7 +194,7 @@ control MemberAddressing(inout headers_t hdr,
                          inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
     action address_member(mac_addr_t switch_mac, ipv4_addr_t switch_ip,
                           mac_addr_t member_mac, ipv4_addr_t member_ip,
-                          bit<16> member_udp_port, bit<32> worker_bit) {
+                          bit<16> member_udp_port) {
         hdr.ethernet.src_addr = switch_mac;
         hdr.ethernet.dst_addr = member_mac;
         hdr.ipv4.src_addr = switch_ip;
@@ -209,7 +208,6 @@ control MemberAddressing(inout headers_t hdr,
         hdr.udp.dst_port = member_udp_port;
         hdr.udp.checksum = 0;
         hdr.agg.worker = meta.dest_worker;
-        meta.dest_worker_bit = worker_bit;
     }
 
     action unknown_member() {

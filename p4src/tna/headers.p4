@@ -46,6 +46,18 @@ const bit<3> OUTCOME_DUPLICATE = 3;  /* retransmission before completion: droppe
 const bit<3> OUTCOME_RESERVE   = 4;  /* copy done: unicast RESULT (RESERVE, LATE set in egress) */
 const bit<3> OUTCOME_STRAGGLER = 5;  /* obsolete round: STRAGGLER notice */
 
+/* What a packet does to a per-copy register (sum words, contributor bitmap). */
+const bit<2> OP_NONE  = 0;
+const bit<2> OP_START = 1;          /* first contribution of a round: overwrite */
+const bit<2> OP_ADD   = 2;          /* a further contribution: add / OR in */
+const bit<2> OP_READ  = 3;          /* re-serve or STRAGGLER: read only */
+
+/* Version and type of an AGG header (header_checks, validation.p4). */
+const bit<2> HEADER_BAD_VERSION = 0;
+const bit<2> HEADER_BAD_TYPE    = 1;
+const bit<2> HEADER_DATA        = 2;
+const bit<2> HEADER_FLUSH       = 3;
+
 /* What the ingress hands the egress (the bridged header, never on the wire). */
 const bit<8> BRIDGE_FORWARD       = 1;  /* ordinary IPv4 forwarding */
 const bit<8> BRIDGE_AGG_UNICAST   = 2;  /* RESULT re-serve or STRAGGLER to the sender */
@@ -124,11 +136,6 @@ header sum_word_t {
     bit<32> lanes;
 }
 
-/* The first 1, 2 or 3 bytes of a RESULT's last, partial word (num_values % 4 != 0). */
-header tail8_t  { bit<8>  lanes; }
-header tail16_t { bit<16> lanes; }
-header tail24_t { bit<24> lanes; }
-
 struct headers_t {
     bridge_t                  bridge;
     ethernet_t                ethernet;
@@ -136,10 +143,7 @@ struct headers_t {
     udp_t                     udp;
     agg_t                     agg;
     index_byte_t[INDEX_BYTES] idx;      /* ingress: DATA payload */
-    sum_word_t[SUM_WORDS]     sums;     /* RESULT payload (whole words) */
-    tail8_t                   tail8;    /* ingress: the partial last word of a RESULT */
-    tail16_t                  tail16;
-    tail24_t                  tail24;
+    sum_word_t[SUM_WORDS]     sums;     /* RESULT payload: ceil(num_values / 4) words */
 }
 
 /* Table values of two lanes per packed byte, one field per byte position. */
@@ -158,9 +162,10 @@ struct ingress_metadata_t {
     /* parser */
     bit<1>   to_agg;            /* UDP destination in the aggregation range, not a fragment */
     bit<1>   is_fragment;       /* IPv4 MF = 1 or fragment offset != 0 (rule R4) */
-    /* validation (validation.p4) */
-    bit<1>   length_ok;         /* UDP length fits type and num_values (agg_lengths) */
-    bit<16>  ip_len_gap;        /* IPv4 total length - UDP length: must be 20 */
+    bit<1>   agg_fragment;      /* a first fragment whose UDP destination is an AGG port */
+    /* validation (validation.p4): inputs of the ordered checks (agg_checks, thc_ina.p4) */
+    bit<2>   header_check;      /* HEADER_* from version and type */
+    bit<1>   length_ok;         /* IPv4, UDP and payload lengths fit type and num_values */
     bit<1>   to_switch;         /* IPv4 destination is the aggregator's own address */
     bit<8>   expected_bits_a;   /* popcount of expected[31:21], [20:10], [9:0] */
     bit<8>   expected_bits_b;
@@ -168,19 +173,18 @@ struct ingress_metadata_t {
     bit<8>   expected_bits_ab;  /* a + b: each add its own table, so each its own stage */
     bit<8>   expected_size;     /* popcount(expected) */
     bit<1>   too_few_expected;  /* min_count > popcount(expected) (rule R3) */
-    bit<32>  slot_gap;          /* slot - pool_size: negative when the slot exists */
-    bit<32>  values_gap;        /* values_per_packet - num_values: negative = too many */
-    bit<16>  members_gap;       /* member_count - min_count: negative = unsatisfiable */
-    bit<32>  stray_workers;     /* expected & ~member_mask (rule R3) */
-    bit<1>   unsatisfiable;     /* rule R3's verdict, from the fields above */
-    bit<32>  worker_expected;   /* expected & (1 << worker) */
+    bit<16>  slot_gap;          /* slot - pool_size: negative when the slot exists */
+    bit<16>  values_gap;        /* values_per_packet - num_values: negative = too many */
+    bit<8>   members_gap;       /* member_count - min_count: negative = unsatisfiable */
+    bit<1>   expected_strays;   /* expected names a non-member (rule R3) */
+    bit<1>   in_expected;       /* expected names the sender */
+    bit<1>   accepted;          /* agg_checks passed: a member's valid DATA or FLUSH */
     /* job and membership (forwarding.p4) */
     bit<1>   job_known;
     bit<16>  counter_base;      /* job_index * JOB_COUNTER_STRIDE */
     slot_index_t slot_base;     /* first slot of the job in the slot registers */
     bit<16>  pool_size;
     bit<16>  values_per_packet; /* the job's limit (rule R7) */
-    bit<32>  nonmember_mask;    /* ~(OR of 1 << worker over the job's members) */
     bit<8>   member_count;
     bit<16>  group;             /* multicast group of the job (job_index + 1) */
     bit<1>   is_member;
@@ -198,6 +202,8 @@ struct ingress_metadata_t {
     bit<32>  already_seen;      /* seen bitmap & (1 << worker) before this packet */
     bit<8>   left_before;       /* contributions the copy still waited for before this packet */
     bit<3>   outcome;
+    bit<2>   sum_op;            /* OP_*: what the sum words do (SlotState decides) */
+    bit<2>   bitmap_op;         /* OP_*: what the contributor bitmap does */
     lane_pairs_t lanes;         /* table values of this packet (lookup.p4) */
     /* ordinary forwarding (forwarding.p4) */
     route_index_t    route_index;
@@ -217,7 +223,6 @@ struct ingress_metadata_t {
 
 struct egress_metadata_t {
     bit<8>   dest_worker;       /* the member this copy is addressed to */
-    bit<32>  dest_worker_bit;   /* 1 << dest_worker */
     bit<1>   full_checksum;     /* an aggregator-built packet: IPv4 checksum recomputed */
     bit<8>   contributors_a;    /* popcount of the contributors bytes */
     bit<8>   contributors_b;
@@ -225,9 +230,9 @@ struct egress_metadata_t {
     bit<8>   contributors_d;
     bit<8>   contributors_ab;
     bit<8>   contributors_cd;
-    bit<32>  late_bit;          /* contributors & (1 << dest worker): zero for a late worker */
-    bit<32>  mark_threshold;    /* K[queue] in queue cells */
-    bit<32>  depth_excess;      /* enq_qdepth - K: positive = above the threshold */
+    bit<1>   dest_in_sums;      /* contributors names the dest worker (else a late worker) */
+    bit<32>  mark_threshold;    /* K[queue] in queue cells, below 2^31 */
+    bit<32>  depth_room;        /* K - enq_qdepth: negative = above the threshold */
     bit<1>   dlcp_count;        /* the DLCP stage acted: count dlcp_cell once */
     bit<2>   dlcp_cell;
     bit<1>   ce_marked;         /* ECN set to CE here (rule R5 update for forwarded packets) */

@@ -11,9 +11,7 @@
 
 control ByteLookup(in index_byte_t index_byte,
                    in bit<16> job,
-                   in bit<16> num_values,
-                   out bit<16> lanes)
-                  (bit<16> byte_position) {
+                   out bit<16> lanes) {
     action set_lanes(bit<8> high_value, bit<8> low_value) {
         lanes = high_value ++ low_value;
     }
@@ -33,15 +31,11 @@ control ByteLookup(in index_byte_t index_byte,
     }
 
     apply {
-        if (index_byte.isValid()) {
-            byte_to_lanes.apply();
-        } else {
-            lanes = 0;                  /* past num_values: adds nothing */
-        }
-        /* odd num_values: the last low nibble is padding and adds nothing */
-        if (num_values == 2 * byte_position + 1) {
-            lanes[7:0] = 0;
-        }
+        /* no gateway around it (each would take one of a stage's 16 logical tables): a
+         * byte past num_values or the padding nibble of an odd count looks up some
+         * table value, which lands in lanes past num_values, outside the RESULT's
+         * datagram (protocol.md 5.1); no lane carries, as n * max(T) <= 255 */
+        byte_to_lanes.apply();
     }
 }
 

@@ -7,8 +7,8 @@
  * Tofino) and turns it into drop_truncated / drop_bad_length.
  *
  * Egress: the bridged header says what follows. A RESULT or STRAGGLER is parsed up to its
- * AGG header only: its sums (exactly num_values bytes, cut to size in the ingress, see
- * BuildAggReply) pass through as payload. Parsing them here too would take the egress
+ * AGG header only: its sums (ceil(num_values / 4) words, see BuildAggReply) pass through
+ * as payload. Parsing them here too would take the egress
  * parser past Tofino's maximum parse depth (160 bytes with the intrinsic metadata). */
 #ifndef _THC_INA_TNA_PARSER_P4_
 #define _THC_INA_TNA_PARSER_P4_
@@ -34,6 +34,8 @@ parser IngressParser(packet_in pkt,
          * zeroes metadata too; these do not depend on it) */
         meta.to_agg = 0;
         meta.is_fragment = 0;
+        meta.agg_fragment = 0;
+        meta.accepted = 0;
         meta.count_job = 0;
         meta.fresh = 0;
         meta.same_round = 0;
@@ -41,6 +43,8 @@ parser IngressParser(packet_in pkt,
         meta.already_seen = 0;
         meta.left_before = 0;
         meta.outcome = OUTCOME_NONE;
+        meta.sum_op = OP_NONE;
+        meta.bitmap_op = OP_NONE;
         transition parse_ethernet;
     }
 
@@ -70,6 +74,14 @@ parser IngressParser(packet_in pkt,
     state parse_first_fragment {
         meta.is_fragment = 1;
         pkt.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            AGG_PORT_BASE &&& AGG_PORT_MASK: agg_fragment;
+            default: accept;
+        }
+    }
+
+    state agg_fragment {
+        meta.agg_fragment = 1;
         transition accept;
     }
 
@@ -133,10 +145,7 @@ control IngressDeparser(packet_out pkt,
         pkt.emit(hdr.udp);
         pkt.emit(hdr.agg);
         pkt.emit(hdr.idx);      /* invalid on everything the aggregator emits */
-        pkt.emit(hdr.sums);     /* RESULT: num_values / 4 whole words */
-        pkt.emit(hdr.tail8);    /* and the first num_values % 4 bytes of the next */
-        pkt.emit(hdr.tail16);
-        pkt.emit(hdr.tail24);
+        pkt.emit(hdr.sums);     /* RESULT: ceil(num_values / 4) words */
     }
 }
 

@@ -23,7 +23,7 @@
 #include "forwarding.p4"
 #include "checksums.p4"
 
-#define LOOKUP(k) lookup_##k.apply(hdr.idx[k], hdr.agg.job, hdr.agg.num_values, meta.lanes.p##k);
+#define LOOKUP(k) lookup_##k.apply(hdr.idx[k], hdr.agg.job, meta.lanes.p##k);
 #define SUM_WORD(k, a, b) \
     sums_##k.apply(meta, meta.lanes.p##a ++ meta.lanes.p##b, hdr.sums[k].lanes);
 
@@ -46,17 +46,17 @@ control SwitchIngress(inout headers_t hdr,
     SlotState() slot_state;
     ResultFields() result_fields;
     BuildAggReply() build_reply;
-    ByteLookup(0)  lookup_0;  ByteLookup(1)  lookup_1;  ByteLookup(2)  lookup_2;
-    ByteLookup(3)  lookup_3;  ByteLookup(4)  lookup_4;  ByteLookup(5)  lookup_5;
-    ByteLookup(6)  lookup_6;  ByteLookup(7)  lookup_7;  ByteLookup(8)  lookup_8;
-    ByteLookup(9)  lookup_9;  ByteLookup(10) lookup_10; ByteLookup(11) lookup_11;
-    ByteLookup(12) lookup_12; ByteLookup(13) lookup_13; ByteLookup(14) lookup_14;
-    ByteLookup(15) lookup_15; ByteLookup(16) lookup_16; ByteLookup(17) lookup_17;
-    ByteLookup(18) lookup_18; ByteLookup(19) lookup_19; ByteLookup(20) lookup_20;
-    ByteLookup(21) lookup_21; ByteLookup(22) lookup_22; ByteLookup(23) lookup_23;
-    ByteLookup(24) lookup_24; ByteLookup(25) lookup_25; ByteLookup(26) lookup_26;
-    ByteLookup(27) lookup_27; ByteLookup(28) lookup_28; ByteLookup(29) lookup_29;
-    ByteLookup(30) lookup_30; ByteLookup(31) lookup_31;
+    ByteLookup()   lookup_0;  ByteLookup()   lookup_1;  ByteLookup()   lookup_2;
+    ByteLookup()   lookup_3;  ByteLookup()   lookup_4;  ByteLookup()   lookup_5;
+    ByteLookup()   lookup_6;  ByteLookup()   lookup_7;  ByteLookup()   lookup_8;
+    ByteLookup()   lookup_9;  ByteLookup()   lookup_10; ByteLookup()   lookup_11;
+    ByteLookup()   lookup_12; ByteLookup()   lookup_13; ByteLookup()   lookup_14;
+    ByteLookup()   lookup_15; ByteLookup()   lookup_16; ByteLookup()   lookup_17;
+    ByteLookup()   lookup_18; ByteLookup()   lookup_19; ByteLookup()   lookup_20;
+    ByteLookup()   lookup_21; ByteLookup()   lookup_22; ByteLookup()   lookup_23;
+    ByteLookup()   lookup_24; ByteLookup()   lookup_25; ByteLookup()   lookup_26;
+    ByteLookup()   lookup_27; ByteLookup()   lookup_28; ByteLookup()   lookup_29;
+    ByteLookup()   lookup_30; ByteLookup()   lookup_31;
     SumWord() sums_0;  SumWord() sums_1;  SumWord() sums_2;  SumWord() sums_3;
     SumWord() sums_4;  SumWord() sums_5;  SumWord() sums_6;  SumWord() sums_7;
     SumWord() sums_8;  SumWord() sums_9;  SumWord() sums_10; SumWord() sums_11;
@@ -73,15 +73,83 @@ control SwitchIngress(inout headers_t hdr,
 
     /* The counter index is computed where the cell is chosen: Tofino's counter
      * addresses a plain field, not the sum. */
-    action drop_job(bit<8> cell) {
+    action drop_job(bit<16> cell) {
         meta.count_job = 1;
-        meta.job_counter_index = meta.counter_base + (bit<16>)cell;
+        meta.job_counter_index = meta.counter_base + cell;
         ig_dprsr_md.drop_ctl = 1;
     }
 
-    action count_job(bit<8> cell) {
+    action count_job(bit<16> cell) {
         meta.count_job = 1;
-        meta.job_counter_index = meta.counter_base + (bit<16>)cell;
+        meta.job_counter_index = meta.counter_base + cell;
+    }
+
+    action accept() {
+        meta.accepted = 1;
+    }
+
+    /* protocol.md 4.1, in order: the first failing check decides. A ternary table is
+     * first-match in entry order, so each row only states how its own check fails; the
+     * rows above it have taken every packet that failed an earlier one. No row matches
+     * an invalid AGG header (a frame too short for it): the default. */
+    table agg_checks {
+        key = {
+            meta.header_check       : ternary @name("header_check");
+            meta.length_ok          : ternary @name("length_ok");
+            meta.job_known          : ternary @name("job_known");
+            meta.values_gap[15:15]  : ternary @name("values_over");
+            hdr.agg.slot[15:13]     : ternary @name("slot_high");
+            meta.slot_gap[15:15]    : ternary @name("slot_in_pool");
+            meta.is_member          : ternary @name("is_member");
+            hdr.agg.expected        : ternary @name("expected");
+            hdr.agg.min_count       : ternary @name("min_count");
+            meta.in_expected        : ternary @name("in_expected");
+            meta.expected_strays    : ternary @name("expected_strays");
+            meta.too_few_expected   : ternary @name("too_few_expected");
+            meta.members_gap[7:7]   : ternary @name("members_short");
+            hdr.agg.isValid()       : ternary @name("agg_valid");
+        }
+        actions = { drop_global; drop_job; accept; }
+        const default_action = drop_global(GC_DROP_TRUNCATED);
+        size = 32;
+        const entries = {
+            /* hdr len job over high pool mem expected min in stray few short valid */
+            (HEADER_BAD_VERSION, _, _, _, _, _, _, _, _, _, _, _, _, true) :
+                drop_global(GC_DROP_BAD_VERSION);
+            (HEADER_BAD_TYPE, _, _, _, _, _, _, _, _, _, _, _, _, true) :
+                drop_global(GC_DROP_BAD_TYPE);
+            (_, 0, _, _, _, _, _, _, _, _, _, _, _, true) : drop_global(GC_DROP_BAD_LENGTH);
+            (_, _, 0, _, _, _, _, _, _, _, _, _, _, true) : drop_global(GC_DROP_UNKNOWN_JOB);
+            /* rule R7: a DATA over the job's values_per_packet (1..64 by now: 16 bits) */
+            (HEADER_DATA, _, _, 1, _, _, _, _, _, _, _, _, _, true) :
+                drop_global(GC_DROP_BAD_LENGTH);
+            /* slot >= pool_size: 8192 and up never exist, below that the 16-bit gap */
+            (_, _, _, _, 4 &&& 4, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, 2 &&& 2, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, 1 &&& 1, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, _, 0, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, _, _, 0, _, _, _, _, _, _, true) : drop_job(JC_DROP_NOT_MEMBER);
+            (HEADER_FLUSH, _, _, _, _, _, _, _, _, _, _, _, _, true) : accept();
+            /* a DATA from here on. Without an expected set: k of n, 0 < k <= members
+             * (k >= 64 first: the 8-bit members gap holds k < 64) */
+            (_, _, _, _, _, _, _, 0, 0, _, _, _, _, true) : drop_job(JC_DROP_BAD_EXPECTED);
+            (_, _, _, _, _, _, _, 0, 0x40 &&& 0x40, _, _, _, _, true) :
+                drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, 0, 0x80 &&& 0x80, _, _, _, _, true) :
+                drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, 0, _, _, _, _, 1, true) : drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, 0, _, _, _, _, _, true) : accept();
+            /* with one: it names the sender, members only, and min_count fits it */
+            (_, _, _, _, _, _, _, _, _, 0, _, _, _, true) : drop_job(JC_DROP_BAD_EXPECTED);
+            (_, _, _, _, _, _, _, _, _, _, 1, _, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, _, 0, _, _, _, _, true) : accept();
+            (_, _, _, _, _, _, _, _, _, _, _, 1, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, _, 0x40 &&& 0x40, _, _, _, _, true) :
+                drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, _, 0x80 &&& 0x80, _, _, _, _, true) :
+                drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, _, _, _, _, _, _, true) : accept();
+        }
     }
 
     apply {
@@ -90,7 +158,7 @@ control SwitchIngress(inout headers_t hdr,
         dlcp_classify.apply(hdr, meta, ig_tm_md);
         switch_address.apply(hdr, meta);
         job_membership.apply(hdr, meta, ig_intr_md.ingress_port);
-        validation.apply(hdr, meta);
+        validation.apply(hdr, meta, ig_prsr_md);
         /* the lookups only read the packet: they run in the first stages for every packet
          * (an invalid index byte gives zero lanes) */
         LOOKUP(0)  LOOKUP(1)  LOOKUP(2)  LOOKUP(3)  LOOKUP(4)  LOOKUP(5)  LOOKUP(6)  LOOKUP(7)
@@ -98,10 +166,8 @@ control SwitchIngress(inout headers_t hdr,
         LOOKUP(16) LOOKUP(17) LOOKUP(18) LOOKUP(19) LOOKUP(20) LOOKUP(21) LOOKUP(22) LOOKUP(23)
         LOOKUP(24) LOOKUP(25) LOOKUP(26) LOOKUP(27) LOOKUP(28) LOOKUP(29) LOOKUP(30) LOOKUP(31)
 
-        /* ---- rule R4, then protocol.md 4.1 in order; the first failure decides ---- */
-        if (meta.is_fragment == 1 &&
-            ((hdr.udp.isValid() && (hdr.udp.dst_port & AGG_PORT_MASK) == AGG_PORT_BASE) ||
-             meta.to_switch == 1)) {
+        /* ---- rule R4, then protocol.md 4.1 (agg_checks) ---- */
+        if (meta.agg_fragment == 1 || (meta.is_fragment == 1 && meta.to_switch == 1)) {
             drop_global(GC_DROP_FRAGMENT);
         } else if (meta.to_agg == 0) {
             /* ordinary traffic (other fragments, IPv4 with options, short UDP frames) */
@@ -112,57 +178,36 @@ control SwitchIngress(inout headers_t hdr,
             } else {
                 drop_global(GC_DROP_NOT_ROUTABLE);
             }
-        } else if (!hdr.agg.isValid()) {
-            drop_global(GC_DROP_TRUNCATED);
-        } else if (hdr.agg.version != AGG_VERSION) {
-            drop_global(GC_DROP_BAD_VERSION);
-        } else if (hdr.agg.pkt_type != TYPE_DATA && hdr.agg.pkt_type != TYPE_FLUSH) {
-            drop_global(GC_DROP_BAD_TYPE);
-        } else if (meta.length_ok == 0 || meta.ip_len_gap != IPV4_HEADER_LEN ||
-                   ig_prsr_md.parser_err != 0) {
-            /* includes a frame shorter than its UDP length (the payload parse failed) */
-            drop_global(GC_DROP_BAD_LENGTH);
-        } else if (meta.job_known == 0) {
-            drop_global(GC_DROP_UNKNOWN_JOB);
-        } else if (hdr.agg.pkt_type == TYPE_DATA && meta.values_gap[31:31] == 1) {
-            drop_global(GC_DROP_BAD_LENGTH);            /* rule R7: over the job's limit */
-        } else if (meta.slot_gap[31:31] == 0) {
-            drop_job(JC_DROP_BAD_SLOT);
-        } else if (meta.is_member == 0) {
-            drop_job(JC_DROP_NOT_MEMBER);
-        } else if (hdr.agg.pkt_type == TYPE_DATA &&
-                   ((hdr.agg.expected == 0 && hdr.agg.min_count == 0) ||
-                    (hdr.agg.expected != 0 && meta.worker_expected == 0))) {
-            drop_job(JC_DROP_BAD_EXPECTED);
-        } else if (hdr.agg.pkt_type == TYPE_DATA && meta.unsatisfiable == 1) {
-            drop_job(JC_DROP_UNSATISFIABLE);            /* rule R3 */
         } else {
-            /* ---- a valid DATA or FLUSH of a member ---- */
-            slot_state.apply(hdr, meta);
-            if (hdr.agg.pkt_type == TYPE_FLUSH) {
-                drop_job(JC_FLUSH);                     /* no reply */
-            } else {
-                /* the result fields first: the RESULT's word count waits for them */
-                result_fields.apply(hdr, meta);
-                SUM_WORD(0,  0,  1)  SUM_WORD(1,  2,  3)  SUM_WORD(2,  4,  5)
-                SUM_WORD(3,  6,  7)  SUM_WORD(4,  8,  9)  SUM_WORD(5,  10, 11)
-                SUM_WORD(6,  12, 13) SUM_WORD(7,  14, 15) SUM_WORD(8,  16, 17)
-                SUM_WORD(9,  18, 19) SUM_WORD(10, 20, 21) SUM_WORD(11, 22, 23)
-                SUM_WORD(12, 24, 25) SUM_WORD(13, 26, 27) SUM_WORD(14, 28, 29)
-                SUM_WORD(15, 30, 31)
-                if (meta.outcome == OUTCOME_PENDING) {
-                    drop_job(JC_PENDING);               /* consumed */
-                } else if (meta.outcome == OUTCOME_DUPLICATE) {
-                    drop_job(JC_DUPLICATE);
+            agg_checks.apply();
+            if (meta.accepted == 1) {
+                /* ---- a valid DATA or FLUSH of a member ---- */
+                slot_state.apply(hdr, meta);
+                if (hdr.agg.pkt_type == TYPE_FLUSH) {
+                    drop_job(JC_FLUSH);                     /* no reply */
                 } else {
-                    if (meta.outcome == OUTCOME_COMPLETE) {
-                        count_job(JC_COMPLETE);
-                    } else if (meta.outcome == OUTCOME_RESERVE) {
-                        count_job(JC_RESERVED);
+                    /* the result fields first: the RESULT's word count waits for them */
+                    result_fields.apply(hdr, meta);
+                    SUM_WORD(0,  0,  1)  SUM_WORD(1,  2,  3)  SUM_WORD(2,  4,  5)
+                    SUM_WORD(3,  6,  7)  SUM_WORD(4,  8,  9)  SUM_WORD(5,  10, 11)
+                    SUM_WORD(6,  12, 13) SUM_WORD(7,  14, 15) SUM_WORD(8,  16, 17)
+                    SUM_WORD(9,  18, 19) SUM_WORD(10, 20, 21) SUM_WORD(11, 22, 23)
+                    SUM_WORD(12, 24, 25) SUM_WORD(13, 26, 27) SUM_WORD(14, 28, 29)
+                    SUM_WORD(15, 30, 31)
+                    if (meta.outcome == OUTCOME_PENDING) {
+                        drop_job(JC_PENDING);               /* consumed */
+                    } else if (meta.outcome == OUTCOME_DUPLICATE) {
+                        drop_job(JC_DUPLICATE);
                     } else {
-                        count_job(JC_STRAGGLER);
+                        if (meta.outcome == OUTCOME_COMPLETE) {
+                            count_job(JC_COMPLETE);
+                        } else if (meta.outcome == OUTCOME_RESERVE) {
+                            count_job(JC_RESERVED);
+                        } else {
+                            count_job(JC_STRAGGLER);
+                        }
+                        build_reply.apply(hdr, meta, ig_intr_md, ig_tm_md);
                     }
-                    build_reply.apply(hdr, meta, ig_intr_md, ig_tm_md);
                 }
             }
         }

@@ -1,19 +1,46 @@
-/* The numbers the checks of protocol.md 4.1 compare (the ordered checks themselves are in
- * thc_ina.p4). Tofino compares two fields by subtracting them in one stage and testing the
- * sign bit in the next, so every "a > b" of the protocol becomes a *_gap field here.
+/* The inputs of the ordered checks of protocol.md 4.1; the checks themselves are one
+ * priority-ordered ternary table (agg_checks, thc_ina.p4). Tofino's gateways read at most
+ * 4 bytes + 12 bits of PHV, and a chain of ifs over a dozen fields does not fit, so every
+ * comparison here ends in a flag or a sign bit that agg_checks matches:
  *
- * popcount(expected) (rule R3 and the expected-set completion) comes from three exact
- * tables on 11/11/10-bit chunks of expected; "min_count > popcount(expected)" is one range
- * table on the three chunk counts, so the verdict is ready one stage after the lookups
- * (the slot registers start right after the checks; every stage saved here is a stage
- * for the sum registers). All of these tables hold protocol constants, installed by the
- * control plane (bfrt_scripts/tofino_plan.py: validation_entries). */
+ *   - "a > b" of two fields: subtracted in one stage (*_gap), the sign bit matched later;
+ *   - "field != constant": a constant table (header_checks, worker_in_expected);
+ *   - expected & ~members != 0: one ternary entry per job (expected_in_job);
+ *   - popcount(expected) (rule R3, the expected-set completion): three exact tables on
+ *     11/11/10-bit chunks of expected; "min_count > popcount(expected)" is one range
+ *     table on the three chunk counts.
+ *
+ * The tables that are not constant hold protocol constants or per-job values installed by
+ * the control plane (bfrt_scripts/tofino_plan.py: validation_entries, job_entries). */
 #ifndef _THC_INA_TNA_VALIDATION_P4_
 #define _THC_INA_TNA_VALIDATION_P4_
 
-control AggValidation(in headers_t hdr, inout ingress_metadata_t meta) {
-    /* UDP length == 8 + 32 + payload: DATA ceil(num_values / 2) for 1..MAX_VALUES
-     * values, FLUSH 0 (its num_values ignored). */
+control AggValidation(in headers_t hdr,
+                      inout ingress_metadata_t meta,
+                      in ingress_intrinsic_metadata_from_parser_t ig_prsr_md) {
+    action set_header_check(bit<2> check) {
+        meta.header_check = check;
+    }
+
+    /* version first, then the type (protocol.md 4.1 order) */
+    table header_checks {
+        key = {
+            hdr.agg.version  : ternary @name("version");
+            hdr.agg.pkt_type : ternary @name("pkt_type");
+        }
+        actions = { set_header_check; }
+        const default_action = set_header_check(HEADER_BAD_VERSION);
+        size = 4;
+        const entries = {
+            (AGG_VERSION, TYPE_DATA)  : set_header_check(HEADER_DATA);
+            (AGG_VERSION, TYPE_FLUSH) : set_header_check(HEADER_FLUSH);
+            (AGG_VERSION, _)          : set_header_check(HEADER_BAD_TYPE);
+        }
+    }
+
+    /* IPv4 total length == 20 + UDP length == 20 + 8 + 32 + payload: DATA
+     * ceil(num_values / 2) for 1..MAX_VALUES values, FLUSH 0 (its num_values ignored);
+     * and the frame held it all (no parser error). */
     action length_fits() {
         meta.length_ok = 1;
     }
@@ -24,13 +51,63 @@ control AggValidation(in headers_t hdr, inout ingress_metadata_t meta) {
 
     table agg_lengths {
         key = {
-            hdr.agg.pkt_type   : ternary @name("pkt_type");
-            hdr.agg.num_values : ternary @name("num_values");
-            hdr.udp.length     : ternary @name("udp_length");
+            hdr.agg.pkt_type      : ternary @name("pkt_type");
+            hdr.agg.num_values    : ternary @name("num_values");
+            hdr.udp.length        : ternary @name("udp_length");
+            hdr.ipv4.total_len    : ternary @name("ip_length");
+            ig_prsr_md.parser_err : ternary @name("parser_err");
         }
         actions = { length_fits; @defaultonly length_wrong; }
         const default_action = length_wrong();
         size = 128;
+    }
+
+    action set_in_expected(bit<1> named) {
+        meta.in_expected = named;
+    }
+
+#define WORKER_IN_EXPECTED(w) (w, (32w1 << w) &&& (32w1 << w)): set_in_expected(1);
+    /* expected & (1 << worker) != 0 (Tofino has no shift by a field) */
+    table worker_in_expected {
+        key = {
+            hdr.agg.worker   : exact @name("worker");
+            hdr.agg.expected : ternary @name("expected");
+        }
+        actions = { set_in_expected; }
+        const default_action = set_in_expected(0);
+        size = 32;
+        const entries = {
+            WORKER_IN_EXPECTED(0)  WORKER_IN_EXPECTED(1)  WORKER_IN_EXPECTED(2)
+            WORKER_IN_EXPECTED(3)  WORKER_IN_EXPECTED(4)  WORKER_IN_EXPECTED(5)
+            WORKER_IN_EXPECTED(6)  WORKER_IN_EXPECTED(7)  WORKER_IN_EXPECTED(8)
+            WORKER_IN_EXPECTED(9)  WORKER_IN_EXPECTED(10) WORKER_IN_EXPECTED(11)
+            WORKER_IN_EXPECTED(12) WORKER_IN_EXPECTED(13) WORKER_IN_EXPECTED(14)
+            WORKER_IN_EXPECTED(15) WORKER_IN_EXPECTED(16) WORKER_IN_EXPECTED(17)
+            WORKER_IN_EXPECTED(18) WORKER_IN_EXPECTED(19) WORKER_IN_EXPECTED(20)
+            WORKER_IN_EXPECTED(21) WORKER_IN_EXPECTED(22) WORKER_IN_EXPECTED(23)
+            WORKER_IN_EXPECTED(24) WORKER_IN_EXPECTED(25) WORKER_IN_EXPECTED(26)
+            WORKER_IN_EXPECTED(27) WORKER_IN_EXPECTED(28) WORKER_IN_EXPECTED(29)
+            WORKER_IN_EXPECTED(30) WORKER_IN_EXPECTED(31)
+        }
+    }
+
+    action members_only() {
+        meta.expected_strays = 0;
+    }
+
+    action names_strays() {
+        meta.expected_strays = 1;
+    }
+
+    /* one entry per job: (job, 0 &&& ~member_mask), i.e. no bit outside the members */
+    table expected_in_job {
+        key = {
+            hdr.agg.job      : exact @name("job");
+            hdr.agg.expected : ternary @name("expected");
+        }
+        actions = { members_only; @defaultonly names_strays; }
+        const default_action = names_strays();
+        size = MAX_JOBS;
     }
 
     action set_bits_a(bit<8> bits) { meta.expected_bits_a = bits; }
@@ -97,37 +174,21 @@ control AggValidation(in headers_t hdr, inout ingress_metadata_t meta) {
     }
 
     apply {
+        header_checks.apply();
         agg_lengths.apply();
+        worker_in_expected.apply();
+        expected_in_job.apply();
         expected_bits_high.apply();
         expected_bits_mid.apply();
         expected_bits_low.apply();
-        meta.ip_len_gap = hdr.ipv4.total_len - hdr.udp.length;
-        expected_too_few.apply();     /* min_count >= 64 is tested on the packet field */
-        meta.slot_gap = (bit<32>)hdr.agg.slot - (bit<32>)meta.pool_size;
-        meta.values_gap = (bit<32>)meta.values_per_packet - (bit<32>)hdr.agg.num_values;
-        meta.members_gap = (bit<16>)meta.member_count - (bit<16>)hdr.agg.min_count;
-        meta.stray_workers = hdr.agg.expected & meta.nonmember_mask;
-        meta.worker_expected = hdr.agg.expected & meta.worker_bit;
+        expected_too_few.apply();     /* min_count >= 64 is matched on the packet field */
+        /* 16/16/8-bit differences: operands and result share a container size (PHV);
+         * agg_checks matches them only where their sign is right (see its rows) */
+        meta.slot_gap = hdr.agg.slot - meta.pool_size;
+        meta.values_gap = meta.values_per_packet - hdr.agg.num_values;
+        meta.members_gap = meta.member_count - hdr.agg.min_count;
         expected_size_ab.apply();
         expected_size_abc.apply();
-        /* Rule R3 as single tests: the whole condition in one if is more than one gateway
-         * can evaluate. */
-        meta.unsatisfiable = 0;
-        if (meta.stray_workers != 0) {
-            meta.unsatisfiable = 1;                   /* expected names non-members */
-        }
-        if (hdr.agg.min_count != 0) {
-            if (hdr.agg.expected != 0) {
-                if (meta.too_few_expected == 1) {
-                    meta.unsatisfiable = 1;           /* min_count > popcount(expected) */
-                }
-                if (hdr.agg.min_count[7:6] != 0) {
-                    meta.unsatisfiable = 1;           /* min_count >= 64 */
-                }
-            } else if (meta.members_gap[15:15] == 1) {
-                meta.unsatisfiable = 1;               /* min_count > the job's members */
-            }
-        }
     }
 }
 

@@ -71,10 +71,14 @@ def test_job_entries_carry_the_job_description():
     plan = ThcInaSwitch(BfrtStandIn(), OPTIONS).install(cfg)
     jobs = {e.key_dict["job"]: e.data_dict for e in plan.entries if e.table == tp.T_JOBS}
     assert jobs[10] == {"counter_base": 0, "slot_base": 0, "pool_size": 8,
-                        "values_per_packet": 64, "nonmember_mask": 0xFFFFFFF0,
-                        "member_count": 4, "group": 1}
+                        "values_per_packet": 64, "member_count": 4, "group": 1}
     assert jobs[11]["slot_base"] == 8 and jobs[11]["counter_base"] == 16
-    assert jobs[11]["nonmember_mask"] == 0xFFFFFFF8 and jobs[11]["group"] == 2
+    assert jobs[11]["group"] == 2
+    # rule R3: one ternary entry per job matches an expected set of members only
+    strays = {e.key_dict["job"]: (e.key_dict["expected"], e.action)
+              for e in plan.entries if e.table == tp.T_EXPECTED_IN_JOB}
+    assert strays == {10: (tp.Ternary(0, 0xFFFFFFF0), "members_only"),
+                      11: (tp.Ternary(0, 0xFFFFFFF8), "members_only")}
     keys = {tuple(sorted(e.key_dict.items())) for e in plan.entries if e.table == tp.T_MEMBERS}
     assert (("ip", 0x0A000002), ("job", 10), ("mac", 0x020000000102), ("port", 1),
             ("udp_port", 40001), ("worker", 1)) in keys
@@ -247,11 +251,10 @@ def test_the_stand_in_refuses_what_bfrt_python_refuses():
     jobs = standin.thc_ina.pipe.SwitchIngress.job_membership.jobs
     with pytest.raises(StandInError, match="no parameters"):
         jobs.add_with_set_job(job=1, counter_base=0, slot_base=0, pool_size=1,
-                              values_per_packet=1, nonmember_mask=0, member_count=1, group=1,
-                              colour=3)
+                              values_per_packet=1, member_count=1, group=1, colour=3)
     with pytest.raises(StandInError, match="does not fit 13 bits"):
         jobs.add_with_set_job(job=1, counter_base=0, slot_base=1 << 13, pool_size=1,
-                              values_per_packet=1, nonmember_mask=0, member_count=1, group=1)
+                              values_per_packet=1, member_count=1, group=1)
     with pytest.raises(AttributeError):
         jobs.add_with_unknown_job(job=1)        # @defaultonly: no add method
     with pytest.raises(AttributeError):

@@ -254,13 +254,13 @@ FEATURES = {
     "R2 members bound to port and addresses": [r'ingress_port\s*: exact @name\("port"\)',
                                                r'src_addr\s*: exact @name\("mac"\)',
                                                r'src_port\s*: exact @name\("udp_port"\)'],
-    "R3 unsatisfiable slots": [r"drop_job\(JC_DROP_UNSATISFIABLE\)", r"stray_workers != 0",
-                               r"too_few_expected == 1", r"members_gap\[15:15\] == 1"],
-    "R7 per-job values_per_packet": [r"values_gap\[31:31\] == 1"],
+    "R3 unsatisfiable slots": [r"drop_job\(JC_DROP_UNSATISFIABLE\)", r"table expected_in_job",
+                               r"table expected_too_few", r"members_gap\[7:7\]"],
+    "R7 per-job values_per_packet": [r"values_gap\[15:15\]\s*: ternary"],
     "R1 serial round arithmetic": [r"\(int<32>\)\(hdr\.agg\.round - round\) > 0",
                                    r"round_distance\[31:31\] == 0"],
     "R5 incremental checksum": [r"control CeChecksumUpdate", r"ce_checksum\.apply"],
-    "two copies by round parity": [r"hdr\.agg\.round\[0:0\] \+\+ meta\.slot_index"],
+    "two copies by round parity": [r"copy_of_slot\.get\(\{hdr\.agg\.round\[0:0\], meta\.slot_index\}\)"],
     "FLUSH empties both copies": [r"cell\.copy0 = 0;\s*cell\.copy1 = 0;"],
     "RESULT multicast through the TM": [r"ig_tm_md\.mcast_grp_a = meta\.group",
                                         r"eg_intr_md\.egress_rid"],
@@ -284,13 +284,118 @@ def test_protocol_feature_is_in_the_program(controls, feature):
 
 
 def test_validation_order_follows_the_protocol(controls):
-    order = ["GC_DROP_FRAGMENT", "GC_DROP_TRUNCATED", "GC_DROP_BAD_VERSION", "GC_DROP_BAD_TYPE",
-             "GC_DROP_BAD_LENGTH", "GC_DROP_UNKNOWN_JOB", "GC_DROP_BAD_LENGTH",
-             "JC_DROP_BAD_SLOT", "JC_DROP_NOT_MEMBER", "JC_DROP_BAD_EXPECTED",
-             "JC_DROP_UNSATISFIABLE"]
+    """R4 (fragments) before everything, then agg_checks' rows in the protocol's order."""
     apply = controls["SwitchIngress"].apply
-    found = re.findall(r"drop_(?:global|job)\((\w+)\)", apply)
-    assert [c for c in found if c in order][:len(order)] == order
+    assert apply.index("drop_global(GC_DROP_FRAGMENT)") < apply.index("agg_checks.apply()")
+    order = ["GC_DROP_BAD_VERSION", "GC_DROP_BAD_TYPE", "GC_DROP_BAD_LENGTH",
+             "GC_DROP_UNKNOWN_JOB", "GC_DROP_BAD_LENGTH", "JC_DROP_BAD_SLOT",
+             "JC_DROP_NOT_MEMBER", "JC_DROP_BAD_EXPECTED", "JC_DROP_UNSATISFIABLE"]
+    verdicts = [a for _, (_, a) in agg_checks_rows(controls)]
+    named = [v for v in dict.fromkeys(verdicts) if v != "accept"]
+    assert [v for v in named if v in order] == list(dict.fromkeys(order))
+    assert controls["SwitchIngress"].tables["agg_checks"].default == (
+        "drop_global", [0])                    # GC_DROP_TRUNCATED: no valid AGG header
+
+
+def agg_checks_rows(controls) -> list[tuple[list[str], tuple[str, str]]]:
+    """agg_checks' constant rows in priority order: (key patterns, (action, cell name))."""
+    body = controls["SwitchIngress"].body
+    table, _ = ts.block_after(body, body.index("table agg_checks"))
+    entries, _ = ts.block_after(table, table.index("const entries"))
+    rows = re.findall(r"\(([^()]*)\)\s*:\s*(\w+)\((\w*)\)\s*;", entries)
+    return [([p.strip() for p in keys.split(",")], (action, cell)) for keys, action, cell in rows]
+
+
+def ternary_match(value: int, pattern: str, names: dict[str, str]) -> bool:
+    if pattern == "_":
+        return True
+    if pattern in ("true", "false"):
+        return value == (pattern == "true")
+    if "&&&" in pattern:
+        want, mask = (ts.eval_int(p, names) for p in pattern.split("&&&"))
+        return value & mask == want & mask
+    return value == ts.eval_int(pattern, names)
+
+
+def tofino_check_inputs(cfg, plan, h: dict, udp_payload_len: int) -> dict:
+    """The fields agg_checks reads, as validation.p4 and forwarding.p4 set them (the
+    per-job tables from the plan's own entries)."""
+    job = next((j for j in cfg.jobs if j.job == h["job"]), None)
+    members = {m.worker: m for m in job.members} if job else {}
+    header = (2 if h["type"] == 0 else 3 if h["type"] == 3 else 1) if h["version"] == 2 else 0
+    lengths = {"pkt_type": h["type"], "num_values": h["num_values"],
+               "udp_length": 8 + udp_payload_len, "ip_length": 28 + udp_payload_len,
+               "parser_err": 0}
+    length_ok = any(all(tp_match(lengths[k], v) for k, v in e.key if k != "MATCH_PRIORITY")
+                    for e in plan.entries if e.table == tp.T_AGG_LENGTHS)
+    strays = not any(e.key_dict["job"] == h["job"] and tp_match(h["expected"], e.key_dict["expected"])
+                     for e in plan.entries if e.table == tp.T_EXPECTED_IN_JOB)
+    e = h["expected"]
+    chunks = [bin(e >> 21).count("1"), bin(e >> 10 & 0x7FF).count("1"), bin(e & 0x3FF).count("1")]
+    vpp, pool = (job.values_per_packet, job.pool_size) if job else (0, 0)
+    return {
+        "header_check": header, "length_ok": int(length_ok), "job_known": int(job is not None),
+        "values_over": (vpp - h["num_values"]) >> 15 & 1,
+        "slot_high": h["slot"] >> 13, "slot_in_pool": (h["slot"] - pool) >> 15 & 1,
+        "is_member": int(h["worker"] in members), "expected": e, "min_count": h["min_count"],
+        "in_expected": int(h["worker"] < 32 and e >> h["worker"] & 1),
+        "expected_strays": int(strays),
+        "too_few_expected": int(sum(chunks) + 1 <= h["min_count"] & 63),
+        "members_short": (len(members) - h["min_count"]) >> 7 & 1, "agg_valid": 1}
+
+
+def tp_match(value: int, key) -> bool:
+    if isinstance(key, tp.Ternary):
+        return value & key.mask == key.value & key.mask
+    return value == key
+
+
+def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
+    """Random AGG headers through agg_checks' rows (first match, parsed from the source)
+    give the verdict the reference aggregator gives, with the plane's MAX_VALUES = 64."""
+    monkeypatch.setattr(ref, "MAX_VALUES", tp.TOFINO_MAX_VALUES)
+    table = controls["SwitchIngress"].tables["agg_checks"]
+    keys = [name for name, _ in table.keys]
+    rows = agg_checks_rows(controls)
+    names = ts.constants(ts.preprocess())
+    cell_names = {f"GC_{n.upper()}": n for n in tp.GLOBAL_CELLS} | {
+        f"JC_{n.upper()}": n for n in tp.JOB_CELLS}
+    cfg = full_config()
+    full = tp.plan_switch(cfg)
+    plan = tp.TofinoPlan(full.layouts)
+    plan.entries = [e for e in full.entries if e.table in (tp.T_AGG_LENGTHS, tp.T_EXPECTED_IN_JOB)]
+    rng = np.random.default_rng(11)
+    pick = lambda *choices: choices[rng.integers(len(choices))]    # noqa: E731
+    seen = set()
+    for _ in range(3000):
+        h = {"version": pick(2, 2, 2, 2, 1, 3), "type": pick(0, 0, 0, 0, 3, 3, 1, 2, 7),
+             "num_values": pick(int(rng.integers(1, 65)), 0, 65, 64, 1),
+             "job": pick(1, 1, 2, 9), "slot": pick(int(rng.integers(0, 8)), 3, 4, 7, 8,
+                                                   8192, 8195, 65535),
+             "worker": pick(0, 1, 2, 2, 3, 31, 40),
+             "min_count": pick(0, 0, 1, 2, 3, 4, 63, 64, 65, 128, 200),
+             "expected": pick(0, 0, int(rng.integers(0, 8)), int(rng.integers(0, 16)), 1 << 31)}
+        payload = (h["num_values"] + 1) // 2 if h["type"] == 0 else 0
+        udp_payload_len = 32 + payload + pick(0, 0, 0, 0, 0, 1, -1)
+        inputs = tofino_check_inputs(cfg, plan, h, udp_payload_len)
+        verdict = next(v for pats, v in rows
+                       if all(ternary_match(inputs[k], p, names) for k, p in zip(keys, pats)))
+        sw = ref.ReferenceSwitch(cfg)
+        member = next((m for j in cfg.jobs if j.job == h["job"] for m in j.members
+                       if m.worker == h["worker"]), None)
+        data = struct.pack(">BBHHBBIIIIIHBB", h["version"] << 4 | h["type"], 0, h["job"],
+                           h["slot"], h["worker"], h["min_count"], 5, h["expected"], 0, 0, 0,
+                           h["num_values"], 0, 0) + bytes(max(payload, 0))
+        sw.handle_agg(member.port if member else 7, data, udp_payload_len, True, 0)
+        before = ref.ReferenceSwitch(cfg).counters()
+        moved = {n for n, v in sw.counters()["global"].items() if v != before["global"][n]}
+        moved |= {n for j, c in sw.counters()["jobs"].items() for n, v in c.items()
+                  if v != before["jobs"][j][n]}
+        action, cell = verdict
+        want = {"rx"} if action == "accept" else {cell_names[cell]}
+        assert want <= moved and (action == "accept" or len(moved) == 1), (h, verdict, moved)
+        seen.add(verdict)
+    assert {v for _, v in rows} <= seen | {("accept", "")}, "every row decided some packet"
 
 
 # ---------------------------------------------------------------- arithmetic of the program
@@ -363,28 +468,28 @@ def test_ce_checksum_entries_are_rfc1624_eqn3():
         assert done.all() and (eqn3 == tofino).all(), hex(m)
 
 
-def test_result_words_and_tail_carry_exactly_num_values_bytes():
-    """BuildAggReply makes nv // 4 whole words (WORD_VALID: nv >= 4k + 4) and, from the
-    partial word nv // 4, a tail header of its first nv % 4 bytes (partial_word's constant
-    entries); the egress parser stops at the AGG header, so those bytes leave as they are."""
+def test_result_words_carry_every_value_and_the_lengths_say_num_values():
+    """result_words makes ceil(nv / 4) words (the last one's unused lanes trail the
+    datagram as link padding, protocol.md 5.1), and the egress sets the UDP and IPv4
+    lengths from num_values; the egress parser stops at the AGG header."""
     agg = (ts.P4_DIR / "aggregation.p4").read_text()
     parser = (ts.P4_DIR / "parser.p4").read_text()
-    assert re.search(r"WORD_VALID\(k\) if \(hdr\.agg\.num_values >= 4 \* k \+ 4\)", agg)
-    entry = re.search(r"#define PARTIAL_WORD_ENTRIES\(k\)(.*?)\n\n", agg, re.S).group(1)
-    pattern = [(int(r), int(bits)) for r, bits in
-               re.findall(r"\(4 \* k \+ (\d)\): tail(\d+)_of_##k\(\);", entry)]
-    assert pattern == [(1, 8), (2, 16), (3, 24)]
-    assert re.search(r"PARTIAL_WORD_ENTRIES\(15\)", agg)
-    for r, bits in pattern:       # the tail takes the word's top bytes (lane 4k first)
-        assert re.search(rf"tail{bits}\.lanes\s*= hdr\.sums\[k\]\.lanes\[31:{32 - bits}\]", agg)
-    for nv in range(1, tp.TOFINO_MAX_VALUES + 1):
-        words = sum(1 for k in range(tp.SUM_WORDS) if nv >= 4 * k + 4)
-        tail = dict(pattern).get(nv % 4, 0) // 8
-        assert 4 * words + tail == nv
+    text = ts.preprocess()
+    table, _ = ts.block_after(text, text.index("table result_words"))
+    entries, _ = ts.block_after(table, table.index("const entries"))
+    words = {int(eval(nv)): int(k) for nv, k in
+             re.findall(r"\(?([\d\s*+-]+?)\)?\s*:\s*words_(\d+)\(\)", entries)}
+    assert sorted(words) == list(range(1, tp.TOFINO_MAX_VALUES + 1))
+    for nv, k in words.items():
+        assert k == -(-nv // 4), nv
+    for k in range(1, tp.SUM_WORDS + 1):      # words_k validates words 0 .. k - 1
+        body, _ = ts.block_after(text, text.index(f"action words_{k}()"))
+        assert f"hdr.sums[{k} - 1].setValid()" in body and f"words_{k - 1}()" in body
+    assert re.search(r"hdr\.udp\.length = UDP_HEADER_LEN \+ AGG_HEADER_LEN \+ "
+                     r"hdr\.agg\.num_values", agg)
+    assert re.search(r"hdr\.ipv4\.total_len = IPV4_HEADER_LEN \+ hdr\.udp\.length", agg)
     reply = re.search(r"state parse_reply \{(.*?)\}", parser, re.S).group(1)
     assert "hdr.sums" not in reply and "transition accept" in reply
-    deparser = parser[parser.index("control IngressDeparser"):parser.index("parser EgressParser")]
-    assert deparser.index("emit(hdr.sums)") < deparser.index("emit(hdr.tail8)")
 
 
 # ---------------------------------------------------------------- the real compiler
@@ -398,7 +503,9 @@ def tofino_compiler() -> list[str] | None:
     return None
 
 
-KNOWN_TOFINO_GAP = "PHV allocation was not successful"
+# The back end allocates PHV and places every table; the assembler then refuses the
+# placement, which takes more than Tofino 1's 12 ingress stages (p4src/tna/README.md).
+KNOWN_TOFINO_GAP = re.compile(r"error: tofino supports up to 12 stages, using (\d+)")
 
 
 @pytest.mark.timeout(1800)             # a Tofino compile takes minutes
@@ -411,13 +518,14 @@ def test_the_program_compiles_for_tofino(tmp_path):
     out = subprocess.run(command + ["-o", str(tmp_path), str(ts.P4_MAIN)],
                          capture_output=True, text=True, timeout=1700)
     log = out.stdout + out.stderr
-    if out.returncode != 0 and KNOWN_TOFINO_GAP in log:
-        # Everything before PHV allocation passes (parser depth, gateways, actions, counter
-        # indices): any other error fails this test. What remains is p4src/tna/README.md's
-        # "Compiling" section.
+    gap = KNOWN_TOFINO_GAP.search(log)
+    if out.returncode != 0 and gap:
+        # Parser, PHV allocation, gateways, actions and table placement all pass: the
+        # back end reports no error, and the only errors are the assembler's stage count.
+        assert "0 errors" in log, log[-8000:]
         errors = [ln for ln in log.splitlines() if "error:" in ln]
-        assert all("PHV allocation" in ln or "action constraints" in ln or
-                   "PHV sources" in ln for ln in errors), "\n".join(errors)
-        pytest.xfail("p4c's Tofino back end stops at PHV allocation (ingress PHV pressure); "
+        assert all(KNOWN_TOFINO_GAP.search(ln) or "no binary will be generated" in ln
+                   for ln in errors), "\n".join(errors)
+        pytest.xfail(f"the placement takes {gap.group(1)} ingress stages, Tofino 1 has 12; "
                      "see p4src/tna/README.md, Compiling")
     assert out.returncode == 0, log[-8000:]

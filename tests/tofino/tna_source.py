@@ -113,7 +113,12 @@ def _params(text: str) -> list[Param]:
     return out
 
 
-def _tables(body: str) -> dict[str, Table]:
+def constants(text: str) -> dict[str, str]:
+    """The program's `const bit<N> NAME = value;` declarations, name -> value text."""
+    return dict(re.findall(r"\bconst\s+bit<\d+>\s+(\w+)\s*=\s*([^;]+);", text))
+
+
+def _tables(body: str, names: dict[str, str] | None = None) -> dict[str, Table]:
     out = {}
     for m in re.finditer(r"\btable\s+(\w+)\s*\{", body):
         tb, _ = block_after(body, m.end() - 1)
@@ -140,7 +145,7 @@ def _tables(body: str) -> dict[str, Table]:
         size = re.search(r"\bsize\s*=\s*([^;]+);", tb)
         dflt = re.search(r"\bdefault_action\s*=\s*(\w+)\s*\(([^)]*)\)", tb)
         default = None if dflt is None else (
-            dflt.group(1), [eval_int(a) for a in dflt.group(2).split(",") if a.strip()])
+            dflt.group(1), [eval_int(a, names) for a in dflt.group(2).split(",") if a.strip()])
         # constant: entries fixed by the program, or a keyless table whose one action the
         # program fixes (an add in a stage of its own)
         constant = "const entries" in tb or (not keys and "const default_action" in tb)
@@ -149,7 +154,9 @@ def _tables(body: str) -> dict[str, Table]:
     return out
 
 
-def eval_int(expr: str) -> int:
+def eval_int(expr: str, names: dict[str, str] | None = None) -> int:
+    for name, value in (names or {}).items():                  # named constants
+        expr = re.sub(rf"\b{name}\b", f"({value})", expr)
     expr = re.sub(r"\b\d+w(\d+)", r"\1", expr.strip())          # 32w1 -> 1
     if not re.fullmatch(r"[\dxXa-fA-F\s*+()<-]+", expr):
         raise ValueError(f"not a constant expression: {expr}")
@@ -162,7 +169,7 @@ def program(defines: tuple = ()) -> dict[str, Control]:
 
 
 def parse_controls(text: str) -> dict[str, Control]:
-    controls = {}
+    controls, names = {}, constants(text)
     for m in re.finditer(r"\bcontrol\s+(\w+)\s*\(", text):
         params, end = block_after(text, m.end() - 1, "(", ")")
         rest = text[end:].lstrip()
@@ -171,7 +178,7 @@ def parse_controls(text: str) -> dict[str, Control]:
         body, _ = block_after(text, end)
         apply_at = [a.start() for a in re.finditer(r"\bapply\s*\{", body)][-1]
         apply, _ = block_after(body, apply_at)
-        c = Control(m.group(1), params, body, apply, tables=_tables(body))
+        c = Control(m.group(1), params, body, apply, tables=_tables(body, names))
         for a in re.finditer(r"\baction\s+(\w+)\s*\(([^)]*)\)\s*\{", body):
             abody, _ = block_after(body, a.end() - 1)
             c.actions[a.group(1)] = (_params(a.group(2)), abody)
