@@ -353,7 +353,8 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
                 options: DeployOptions) -> list[TableEntry]:
     mask = member_mask(job)
     entries = [_entry(T_JOBS, {"job": job.job}, "set_job", {
-        "counter_base": layout.counter_base, "slot_base": layout.slot_base,
+        "job_index": layout.index, "counter_base": layout.counter_base,
+        "slot_base": layout.slot_base,
         "pool_size": layout.pool_size, "values_per_packet": values_per_packet(job),
         "member_count": len(job.members), "group": layout.group_id})]
     # rule R3: expected names members only, i.e. no bit outside the member mask
@@ -370,13 +371,15 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
                                   "switch_ip": ip_int(config.ip),
                                   "member_mac": mac_int(m.mac), "member_ip": ip_int(m.ip),
                                   "member_udp_port": m.udp_port}))
-    return entries + lookup_entries(job)
+    return entries + lookup_entries(job, layout)
 
 
-def lookup_entries(job: Job) -> list[TableEntry]:
-    """The 256-entry byte table of every byte position: b -> (T[b >> 4], T[b & 15])."""
+def lookup_entries(job: Job, layout: JobLayout) -> list[TableEntry]:
+    """The 256-entry byte table of every byte position, keyed on the job's dense index:
+    b -> (T[b >> 4], T[b & 15])."""
     table = [int(v) for v in job.table]
-    return [_entry(lookup_table(position), {"job": job.job, "packed": byte}, "set_lanes",
+    return [_entry(lookup_table(position), {"job_index": layout.index, "packed": byte},
+                   "set_lanes",
                    {"high_value": table[byte >> 4], "low_value": table[byte & 0x0F]})
             for position in range(INDEX_BYTES) for byte in range(256)]
 
@@ -453,7 +456,7 @@ def dlcp_plan(config: SwitchConfig, options: DeployOptions,
         raise ConfigError(f"dlcp: capacity {dlcp.capacity} packets x {cpp} cells = "
                           f"{capacity_cells} cells exceeds {PLANE}'s queue limit of "
                           f"{QUEUE_DEPTH_MAX_CELLS} cells (19-bit queue depth); lower capacity")
-    entries = [_entry(T_DSCP, {"dscp": dscp}, "set_queue",
+    entries = [_entry(T_DSCP, {"ipv4_valid": 1, "dscp": dscp}, "set_queue",
                       {"queue": queue, "is_data": int(is_data)})
                for dscp, (queue, is_data) in sorted(dlcp.dscp_map.items())]
     for queue in range(NUM_QUEUES):

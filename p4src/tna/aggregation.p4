@@ -15,7 +15,8 @@
  *                          FLUSH. One cell holds both copies, so a FLUSH clears the whole
  *                          slot in one pass: an unoccupied copy is "empty" (protocol 4.2),
  *                          and every other register of it is rewritten by the next round
- *                          before anything reads it.
+ *                          before anything reads it. It is run by agg_checks' accepting
+ *                          actions (thc_ina.p4), in the stage that accepts the packet.
  *   copy_round[copy]       the copy's round; answers r - R (rule R1: r newer iff that
  *                          32-bit difference is nonzero with the top bit clear).
  *   copy_seen[copy]        workers that sent this round (late workers included); answers
@@ -31,44 +32,33 @@
  *   sums_k[copy]           lanes 4k..4k+3, k = 0..15.
  *
  * Each register has one RegisterAction per thing a packet may do to it (start a round,
- * join it, read it) and every pass executes at most one of them (tests/tofino checks it). */
+ * join it, read it) and every pass executes at most one of them (tests/tofino checks it).
+ *
+ * Decisions. What a packet does to the contributor bitmap, the result fields and the sum
+ * words, and its outcome, follow from four answers: fresh, same_round (copy_round),
+ * already_seen (copy_seen), left_before (copy_left), and the round's target_left. Every
+ * register after copy_left is ONE constant ternary table on those answers (DECISION_KEY),
+ * rows in the order of protocol.md 4.2: no stage spent first storing a verdict, and the
+ * 22 stateful ALUs of the result start right after copy_left. */
 #ifndef _THC_INA_TNA_AGGREGATION_P4_
 #define _THC_INA_TNA_AGGREGATION_P4_
+
+/* The answers every decision table keys on (rows: `fresh, same, seen, left, target_left`).
+ * already_seen is the worker's bit of the seen bitmap (0 = first packet of this worker). */
+#define DECISION_KEY                                        \
+    meta.fresh        : ternary @name("fresh");             \
+    meta.same_round   : ternary @name("same_round");        \
+    meta.already_seen : ternary @name("already_seen");      \
+    meta.left_before  : ternary @name("left_before");       \
+    meta.target_left  : ternary @name("target_left");
 
 struct occupancy_t {
     bit<8> copy0;
     bit<8> copy1;
 }
 
-/* Round classification, contribution tracking and completion: everything that decides
- * what the packet does to the copy. */
+/* Round classification and contribution tracking: the answers the decisions key on. */
 control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
-    Register<occupancy_t, slot_index_t>(SLOT_BUDGET) occupancy;
-    /* (round & 1) ++ slot_index through the hash unit: an ALU concatenation would tie the
-     * round's bit 0 and the slot index to one container layout */
-    Hash<copy_index_t>(HashAlgorithm_t.IDENTITY) copy_of_slot;
-
-    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy0 = {
-        void apply(inout occupancy_t cell, out bit<8> was_occupied) {
-            was_occupied = cell.copy0;
-            cell.copy0 = 1;
-        }
-    };
-
-    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy1 = {
-        void apply(inout occupancy_t cell, out bit<8> was_occupied) {
-            was_occupied = cell.copy1;
-            cell.copy1 = 1;
-        }
-    };
-
-    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) empty_copies = {
-        void apply(inout occupancy_t cell) {
-            cell.copy0 = 0;
-            cell.copy1 = 0;
-        }
-    };
-
     Register<bit<32>, copy_index_t>(SLOT_COPIES) copy_round;
 
     /* r - R from the old R (the alu_hi output of a 32-bit cell); the copy takes round r
@@ -120,9 +110,6 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
         }
     };
 
-    action occupy_0() { meta.was_occupied = occupy_copy0.execute(meta.slot_index); }
-    action occupy_1() { meta.was_occupied = occupy_copy1.execute(meta.slot_index); }
-    action flush_slot() { empty_copies.execute(meta.slot_index); }
     action take_round() { meta.round_distance = advance_round.execute(meta.copy_index); }
 
     action begin_round() {
@@ -143,73 +130,76 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
     action count_join() { meta.left_before = join_left.execute(meta.copy_index); }
     action count_read() { meta.left_before = read_left.execute(meta.copy_index); }
 
+    action target_from_min_count() {
+        meta.target_left = hdr.agg.min_count - 1;           /* k of n */
+    }
+
+    action target_from_expected() {
+        meta.target_left = meta.expected_size - 1;          /* the expected set */
+    }
+
+    /* target - 1 for copy_left: min_count, or popcount(expected) when min_count is 0 and
+     * expected is not. Here, behind agg_checks, and a table, not an if: in front of the
+     * 4.1 checks it held agg_checks (and the whole chain) back to its own stage, as the
+     * checks may rewrite min_count (a re-serve loads it) only after it was read. */
+    table round_target {
+        key = {
+            meta.expected_size : ternary @name("expected_size");
+            hdr.agg.min_count  : ternary @name("min_count");
+        }
+        actions = { target_from_min_count; target_from_expected; }
+        const default_action = target_from_min_count();
+        size = 2;
+        const entries = {
+            (0, _) : target_from_min_count();           /* no expected set: k of n */
+            (_, 0) : target_from_expected();
+        }
+    }
+
+    action set_outcome(bit<3> outcome) {
+        meta.outcome = outcome;
+    }
+
+    /* protocol.md 4.2 step 3 and 4.3, first matching row (fresh, same, seen, left, tl) */
+    table packet_outcome {
+        key = { DECISION_KEY }
+        actions = { set_outcome; }
+        const default_action = set_outcome(OUTCOME_NONE);
+        size = 8;
+        const entries = {
+            (1, _, _, _, 0) : set_outcome(OUTCOME_COMPLETE);    /* a target of one */
+            (1, _, _, _, _) : set_outcome(OUTCOME_PENDING);
+            (_, 1, _, 0, _) : set_outcome(OUTCOME_RESERVE);     /* done: the stored result */
+            (_, 1, 0, 1, _) : set_outcome(OUTCOME_COMPLETE);    /* the last contribution */
+            (_, 1, 0, _, _) : set_outcome(OUTCOME_PENDING);
+            (_, 1, _, _, _) : set_outcome(OUTCOME_DUPLICATE);
+            (0, 0, _, _, _) : set_outcome(OUTCOME_STRAGGLER);   /* an older round */
+        }
+    }
+
     apply {
-        meta.slot_index = meta.slot_base + (slot_index_t)hdr.agg.slot;
-        if (hdr.agg.pkt_type == TYPE_FLUSH) {
-            flush_slot();                               /* protocol.md 4.6 */
+        round_target.apply();
+        take_round();
+        /* protocol.md 4.2 with rule R1, straight from the two registers' answers (a
+         * stage that first stored the verdict would cost the sums a stage) */
+        if (meta.was_occupied == 0 ||
+            (meta.round_distance != 0 && meta.round_distance[31:31] == 0)) {
+            begin_round();
+        } else if (meta.round_distance == 0) {
+            join_round();
         } else {
-            meta.copy_index = copy_of_slot.get({hdr.agg.round[0:0], meta.slot_index});
-            if (meta.expected_size == 0 || hdr.agg.min_count != 0) {
-                meta.target = hdr.agg.min_count;        /* k of n */
+            behind_round();
+        }
+        if (meta.fresh == 1) {
+            count_first();
+        } else if (meta.same_round == 1) {
+            if (meta.already_seen == 0) {
+                count_join();
             } else {
-                meta.target = meta.expected_size;       /* the expected set */
-            }
-            meta.target_left = meta.target - 1;
-            if (hdr.agg.round[0:0] == 0) {
-                occupy_0();
-            } else {
-                occupy_1();
-            }
-            take_round();
-            /* protocol.md 4.2 with rule R1, straight from the two registers' answers (a
-             * stage that first stored the verdict would cost the sums a stage) */
-            if (meta.was_occupied == 0 ||
-                (meta.round_distance != 0 && meta.round_distance[31:31] == 0)) {
-                begin_round();
-            } else if (meta.round_distance == 0) {
-                join_round();
-            } else {
-                behind_round();
-            }
-            if (meta.fresh == 1) {
-                count_first();
-            } else if (meta.same_round == 1) {
-                if (meta.already_seen == 0) {
-                    count_join();
-                } else {
-                    count_read();
-                }
-            }
-            /* section 4.2 step 3 and 4.3; and what the sum words (sum_op) and the
-             * contributor bitmap (bitmap_op) do, decided once here so that each of
-             * those registers is one table keyed on a field, with no gateways */
-            if (meta.fresh == 1) {
-                meta.sum_op = OP_START;
-                meta.bitmap_op = OP_START;
-                if (meta.target == 1) {
-                    meta.outcome = OUTCOME_COMPLETE;
-                } else {
-                    meta.outcome = OUTCOME_PENDING;
-                }
-            } else if (meta.obsolete == 1) {
-                meta.bitmap_op = OP_READ;
-                meta.outcome = OUTCOME_STRAGGLER;
-            } else if (meta.left_before == 0) {
-                meta.sum_op = OP_READ;
-                meta.bitmap_op = OP_READ;
-                meta.outcome = OUTCOME_RESERVE;         /* done: the stored result */
-            } else if (meta.already_seen != 0) {
-                meta.outcome = OUTCOME_DUPLICATE;
-            } else {
-                meta.sum_op = OP_ADD;
-                meta.bitmap_op = OP_ADD;
-                if (meta.left_before == 1) {
-                    meta.outcome = OUTCOME_COMPLETE;
-                } else {
-                    meta.outcome = OUTCOME_PENDING;
-                }
+                count_read();
             }
         }
+        packet_outcome.apply();
     }
 }
 
@@ -246,16 +236,15 @@ control SumWord(in ingress_metadata_t meta,
     action read_sum() { sums = read_values.execute(meta.copy_index); }
     action leave_sum() { }
 
-    /* what SlotState decided (sum_op), so all registers agree on what happened */
     table sum_word {
-        key = { meta.sum_op : exact @name("sum_op"); }
+        key = { DECISION_KEY }
         actions = { start_sum; add_sum; read_sum; leave_sum; }
-        const default_action = leave_sum();
+        const default_action = leave_sum();             /* duplicate, STRAGGLER */
         size = 4;
         const entries = {
-            OP_START : start_sum();
-            OP_ADD   : add_sum();                   /* aggregate */
-            OP_READ  : read_sum();                  /* re-serve */
+            (1, _, _, _, _) : start_sum();
+            (_, 1, _, 0, _) : read_sum();               /* re-serve, late worker */
+            (_, 1, 0, _, _) : add_sum();                /* aggregate */
         }
     }
 
@@ -339,27 +328,29 @@ control ResultFields(inout headers_t hdr, in ingress_metadata_t meta) {
     action leave_fields() { }
 
     table contributor_bitmap {
-        key = { meta.bitmap_op : exact @name("bitmap_op"); }
+        key = { DECISION_KEY }
         actions = { start_bitmap; join_bitmap; read_bitmap; leave_fields; }
         const default_action = leave_fields();
         size = 4;
         const entries = {
-            OP_START : start_bitmap();
-            OP_ADD   : join_bitmap();               /* aggregate */
-            OP_READ  : read_bitmap();               /* STRAGGLER, re-serve, late worker */
+            (1, _, _, _, _) : start_bitmap();
+            (_, 1, _, 0, _) : read_bitmap();            /* re-serve, late worker */
+            (_, 1, 0, _, _) : join_bitmap();            /* aggregate */
+            (0, 0, _, _, _) : read_bitmap();            /* STRAGGLER (5.3) */
         }
     }
 
     /* a completion stores the field, a re-serve loads it back into the header */
 #define RESULT_FIELD(field)                                                         \
     table keep_##field {                                                            \
-        key = { meta.outcome : exact @name("outcome"); }                            \
+        key = { DECISION_KEY }                                                      \
         actions = { store_##field##_field; load_##field##_field; leave_fields; }    \
         const default_action = leave_fields();                                      \
-        size = 2;                                                                   \
+        size = 4;                                                                   \
         const entries = {                                                           \
-            OUTCOME_COMPLETE : store_##field##_field();                             \
-            OUTCOME_RESERVE  : load_##field##_field();                              \
+            (1, _, _, _, 0) : store_##field##_field();  /* completes at once */     \
+            (_, 1, _, 0, _) : load_##field##_field();   /* re-serve */              \
+            (_, 1, 0, 1, _) : store_##field##_field();  /* the last contribution */ \
         }                                                                           \
     }
     RESULT_FIELD(num_values)

@@ -26,21 +26,33 @@
 control DlcpClassify(inout headers_t hdr,
                      inout ingress_metadata_t meta,
                      inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    /* Every write of the classification sits in a table action: three tables in the first
+     * stages, with no gateway or assignment statement of their own, which the compiler
+     * would otherwise place after the aggregation's stages. */
     action set_queue(bit<3> queue, bit<1> is_data) {
         meta.queue = queue;
         meta.is_data = is_data;
+        ig_tm_md.qid = (QueueId_t)queue;
+        ig_tm_md.ingress_cos = queue;
+        hdr.bridge.queue = queue;
+        hdr.bridge.is_data = is_data;
     }
 
     table dscp_to_queue {
-        key = { hdr.ipv4.diffserv[7:2] : exact @name("dscp"); }
+        key = {
+            hdr.ipv4.isValid()     : exact @name("ipv4_valid");
+            hdr.ipv4.diffserv[7:2] : exact @name("dscp");
+        }
         actions = { set_queue; }
-        /* unlisted DSCP: lowest queue, never dropped selectively */
+        /* unlisted DSCP and frames that are not IPv4: lowest queue, never dropped
+         * selectively */
         const default_action = set_queue(0, 0);
         size = 64;
     }
 
     action set_drop_reporting(bit<1> enabled) {
         meta.report_drops = enabled;
+        ig_tm_md.deflect_on_drop = enabled;
     }
 
     /* keyless: enabled by the control plane once the drop-report queue is configured */
@@ -50,26 +62,34 @@ control DlcpClassify(inout headers_t hdr,
         size = 1;
     }
 
+    action color_yellow() {
+        ig_tm_md.packet_color = COLOR_YELLOW;       /* unimportant: dropped first */
+        hdr.bridge.yellow = 1;
+    }
+
+    action color_green() {
+        ig_tm_md.packet_color = COLOR_GREEN;
+        hdr.bridge.yellow = 0;
+    }
+
+    /* Not-ECT data packets are unimportant (notes/dlcp.md 7.3) */
+    table data_color {
+        key = {
+            meta.is_data           : exact @name("is_data");
+            hdr.ipv4.diffserv[1:0] : exact @name("ecn");
+        }
+        actions = { color_yellow; color_green; }
+        const default_action = color_green();
+        size = 1;
+        const entries = {
+            (1, 0) : color_yellow();
+        }
+    }
+
     apply {
-        if (hdr.ipv4.isValid()) {
-            dscp_to_queue.apply();
-        } else {
-            meta.queue = 0;
-            meta.is_data = 0;
-        }
+        dscp_to_queue.apply();
         drop_reporting.apply();
-        ig_tm_md.qid = (QueueId_t)meta.queue;
-        ig_tm_md.ingress_cos = meta.queue;
-        ig_tm_md.deflect_on_drop = meta.report_drops;
-        hdr.bridge.queue = meta.queue;
-        hdr.bridge.is_data = meta.is_data;
-        if (meta.is_data == 1 && hdr.ipv4.diffserv[1:0] == 0) {
-            ig_tm_md.packet_color = COLOR_YELLOW;   /* unimportant: dropped first */
-            hdr.bridge.yellow = 1;
-        } else {
-            ig_tm_md.packet_color = COLOR_GREEN;
-            hdr.bridge.yellow = 0;
-        }
+        data_color.apply();
     }
 }
 

@@ -10,10 +10,11 @@
 control JobMembership(in headers_t hdr,
                       inout ingress_metadata_t meta,
                       in PortId_t ingress_port) {
-    action set_job(bit<16> counter_base, slot_index_t slot_base, bit<16> pool_size,
-                   bit<16> values_per_packet, bit<8> member_count,
+    action set_job(job_index_t job_index, bit<16> counter_base, slot_index_t slot_base,
+                   bit<16> pool_size, bit<16> values_per_packet, bit<8> member_count,
                    bit<16> group) {
         meta.job_known = 1;
+        meta.job_index = job_index;
         meta.counter_base = counter_base;
         meta.slot_base = slot_base;
         meta.pool_size = pool_size;

@@ -18,6 +18,7 @@ typedef bit<48> mac_addr_t;
 typedef bit<32> ipv4_addr_t;
 typedef bit<13> slot_index_t;       /* log2(SLOT_BUDGET) */
 typedef bit<14> copy_index_t;       /* round parity ++ slot index */
+typedef bit<4>  job_index_t;        /* log2(MAX_JOBS): dense job index of the jobs table */
 typedef bit<10> route_index_t;      /* log2(MAX_ROUTES) */
 typedef bit<13> next_hop_index_t;   /* log2(MAX_NEXT_HOP_SLOTS) */
 
@@ -45,12 +46,6 @@ const bit<3> OUTCOME_COMPLETE  = 2;  /* aggregated and completed: multicast RESU
 const bit<3> OUTCOME_DUPLICATE = 3;  /* retransmission before completion: dropped */
 const bit<3> OUTCOME_RESERVE   = 4;  /* copy done: unicast RESULT (RESERVE, LATE set in egress) */
 const bit<3> OUTCOME_STRAGGLER = 5;  /* obsolete round: STRAGGLER notice */
-
-/* What a packet does to a per-copy register (sum words, contributor bitmap). */
-const bit<2> OP_NONE  = 0;
-const bit<2> OP_START = 1;          /* first contribution of a round: overwrite */
-const bit<2> OP_ADD   = 2;          /* a further contribution: add / OR in */
-const bit<2> OP_READ  = 3;          /* re-serve or STRAGGLER: read only */
 
 /* Version and type of an AGG header (header_checks, validation.p4). */
 const bit<2> HEADER_BAD_VERSION = 0;
@@ -181,6 +176,7 @@ struct ingress_metadata_t {
     bit<1>   accepted;          /* agg_checks passed: a member's valid DATA or FLUSH */
     /* job and membership (forwarding.p4) */
     bit<1>   job_known;
+    job_index_t job_index;      /* the lookups' key: 16 x 256 entries index a table directly */
     bit<16>  counter_base;      /* job_index * JOB_COUNTER_STRIDE */
     slot_index_t slot_base;     /* first slot of the job in the slot registers */
     bit<16>  pool_size;
@@ -192,8 +188,8 @@ struct ingress_metadata_t {
     /* slot state (aggregation.p4) */
     slot_index_t slot_index;
     copy_index_t copy_index;
-    bit<8>   target;            /* contributions that complete the round */
-    bit<8>   target_left;       /* target - 1: what the first contribution leaves to wait for */
+    bit<8>   target_left;       /* target - 1: what the first contribution leaves to wait for
+                                 * (target = min_count, or popcount(expected) without one) */
     bit<8>   was_occupied;      /* 0: the copy held no round (never used, or FLUSHed) */
     bit<32>  round_distance;    /* packet round - copy round (before this packet) */
     bit<1>   fresh;             /* new round in this copy (protocol.md 4.2 step 1) */
@@ -202,8 +198,6 @@ struct ingress_metadata_t {
     bit<32>  already_seen;      /* seen bitmap & (1 << worker) before this packet */
     bit<8>   left_before;       /* contributions the copy still waited for before this packet */
     bit<3>   outcome;
-    bit<2>   sum_op;            /* OP_*: what the sum words do (SlotState decides) */
-    bit<2>   bitmap_op;         /* OP_*: what the contributor bitmap does */
     lane_pairs_t lanes;         /* table values of this packet (lookup.p4) */
     /* ordinary forwarding (forwarding.p4) */
     route_index_t    route_index;

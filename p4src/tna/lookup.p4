@@ -4,13 +4,14 @@
  * copy of the lookup table"): a table is applied once per pass, so the ingress
  * instantiates this control INDEX_BYTES times. The control plane installs, per job, 256
  * entries: packed byte b -> T[b >> 4], T[b & 15] (bfrt_scripts/tofino_plan.py). The table
- * keys on the packet's job field, so the lookups do not wait for the job table and fill
- * the first stages next to the validation tables. */
+ * keys on the job's dense index from the jobs table (4 bits) and the byte: 12 bits, all of
+ * them used, so the compiler indexes the action data directly (no match bits stored) and
+ * a table takes about one SRAM block instead of the ten a 16-bit job id key needed. */
 #ifndef _THC_INA_TNA_LOOKUP_P4_
 #define _THC_INA_TNA_LOOKUP_P4_
 
 control ByteLookup(in index_byte_t index_byte,
-                   in bit<16> job,
+                   in job_index_t job_index,
                    out bit<16> lanes) {
     action set_lanes(bit<8> high_value, bit<8> low_value) {
         lanes = high_value ++ low_value;
@@ -22,7 +23,7 @@ control ByteLookup(in index_byte_t index_byte,
 
     table byte_to_lanes {
         key = {
-            job               : exact @name("job");
+            job_index         : exact @name("job_index");
             index_byte.packed : exact @name("packed");
         }
         actions = { set_lanes; @defaultonly no_lanes; }

@@ -43,8 +43,6 @@ parser IngressParser(packet_in pkt,
         meta.already_seen = 0;
         meta.left_before = 0;
         meta.outcome = OUTCOME_NONE;
-        meta.sum_op = OP_NONE;
-        meta.bitmap_op = OP_NONE;
         transition parse_ethernet;
     }
 

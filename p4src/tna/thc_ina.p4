@@ -23,7 +23,7 @@
 #include "forwarding.p4"
 #include "checksums.p4"
 
-#define LOOKUP(k) lookup_##k.apply(hdr.idx[k], hdr.agg.job, meta.lanes.p##k);
+#define LOOKUP(k) lookup_##k.apply(hdr.idx[k], meta.job_index, meta.lanes.p##k);
 #define SUM_WORD(k, a, b) \
     sums_##k.apply(meta, meta.lanes.p##a ++ meta.lanes.p##b, hdr.sums[k].lanes);
 
@@ -84,8 +84,45 @@ control SwitchIngress(inout headers_t hdr,
         meta.job_counter_index = meta.counter_base + cell;
     }
 
-    action accept() {
+    /* Accepting a packet is also its first slot-state step: the occupancy of the slot's
+     * copies (aggregation.p4) is read and set here, in the stage that accepts, so the
+     * round register follows in the next one. One action per thing done to it. */
+    Register<occupancy_t, slot_index_t>(SLOT_BUDGET) occupancy;
+
+    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy0 = {
+        void apply(inout occupancy_t cell, out bit<8> was_occupied) {
+            was_occupied = cell.copy0;
+            cell.copy0 = 1;
+        }
+    };
+
+    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) occupy_copy1 = {
+        void apply(inout occupancy_t cell, out bit<8> was_occupied) {
+            was_occupied = cell.copy1;
+            cell.copy1 = 1;
+        }
+    };
+
+    RegisterAction<occupancy_t, slot_index_t, bit<8>>(occupancy) empty_copies = {
+        void apply(inout occupancy_t cell) {
+            cell.copy0 = 0;
+            cell.copy1 = 0;
+        }
+    };
+
+    action accept_copy0() {
         meta.accepted = 1;
+        meta.was_occupied = occupy_copy0.execute(meta.slot_index);
+    }
+
+    action accept_copy1() {
+        meta.accepted = 1;
+        meta.was_occupied = occupy_copy1.execute(meta.slot_index);
+    }
+
+    action accept_flush() {
+        meta.accepted = 1;
+        empty_copies.execute(meta.slot_index);          /* protocol.md 4.6 */
     }
 
     /* protocol.md 4.1, in order: the first failing check decides. A ternary table is
@@ -107,48 +144,52 @@ control SwitchIngress(inout headers_t hdr,
             meta.expected_strays    : ternary @name("expected_strays");
             meta.too_few_expected   : ternary @name("too_few_expected");
             meta.members_gap[7:7]   : ternary @name("members_short");
+            hdr.agg.round[0:0]      : ternary @name("parity");
             hdr.agg.isValid()       : ternary @name("agg_valid");
         }
-        actions = { drop_global; drop_job; accept; }
+        actions = { drop_global; drop_job; accept_copy0; accept_copy1; accept_flush; }
         const default_action = drop_global(GC_DROP_TRUNCATED);
-        size = 32;
+        size = 40;
         const entries = {
-            /* hdr len job over high pool mem expected min in stray few short valid */
-            (HEADER_BAD_VERSION, _, _, _, _, _, _, _, _, _, _, _, _, true) :
+            /* hdr len job over high pool mem expected min in stray few short par valid */
+            (HEADER_BAD_VERSION, _, _, _, _, _, _, _, _, _, _, _, _, _, true) :
                 drop_global(GC_DROP_BAD_VERSION);
-            (HEADER_BAD_TYPE, _, _, _, _, _, _, _, _, _, _, _, _, true) :
+            (HEADER_BAD_TYPE, _, _, _, _, _, _, _, _, _, _, _, _, _, true) :
                 drop_global(GC_DROP_BAD_TYPE);
-            (_, 0, _, _, _, _, _, _, _, _, _, _, _, true) : drop_global(GC_DROP_BAD_LENGTH);
-            (_, _, 0, _, _, _, _, _, _, _, _, _, _, true) : drop_global(GC_DROP_UNKNOWN_JOB);
+            (_, 0, _, _, _, _, _, _, _, _, _, _, _, _, true) : drop_global(GC_DROP_BAD_LENGTH);
+            (_, _, 0, _, _, _, _, _, _, _, _, _, _, _, true) : drop_global(GC_DROP_UNKNOWN_JOB);
             /* rule R7: a DATA over the job's values_per_packet (1..64 by now: 16 bits) */
-            (HEADER_DATA, _, _, 1, _, _, _, _, _, _, _, _, _, true) :
+            (HEADER_DATA, _, _, 1, _, _, _, _, _, _, _, _, _, _, true) :
                 drop_global(GC_DROP_BAD_LENGTH);
             /* slot >= pool_size: 8192 and up never exist, below that the 16-bit gap */
-            (_, _, _, _, 4 &&& 4, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
-            (_, _, _, _, 2 &&& 2, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
-            (_, _, _, _, 1 &&& 1, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
-            (_, _, _, _, _, 0, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
-            (_, _, _, _, _, _, 0, _, _, _, _, _, _, true) : drop_job(JC_DROP_NOT_MEMBER);
-            (HEADER_FLUSH, _, _, _, _, _, _, _, _, _, _, _, _, true) : accept();
+            (_, _, _, _, 4 &&& 4, _, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, 2 &&& 2, _, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, 1 &&& 1, _, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, _, 0, _, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_SLOT);
+            (_, _, _, _, _, _, 0, _, _, _, _, _, _, _, true) : drop_job(JC_DROP_NOT_MEMBER);
+            (HEADER_FLUSH, _, _, _, _, _, _, _, _, _, _, _, _, _, true) : accept_flush();
             /* a DATA from here on. Without an expected set: k of n, 0 < k <= members
              * (k >= 64 first: the 8-bit members gap holds k < 64) */
-            (_, _, _, _, _, _, _, 0, 0, _, _, _, _, true) : drop_job(JC_DROP_BAD_EXPECTED);
-            (_, _, _, _, _, _, _, 0, 0x40 &&& 0x40, _, _, _, _, true) :
+            (_, _, _, _, _, _, _, 0, 0, _, _, _, _, _, true) : drop_job(JC_DROP_BAD_EXPECTED);
+            (_, _, _, _, _, _, _, 0, 0x40 &&& 0x40, _, _, _, _, _, true) :
                 drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, 0, 0x80 &&& 0x80, _, _, _, _, true) :
+            (_, _, _, _, _, _, _, 0, 0x80 &&& 0x80, _, _, _, _, _, true) :
                 drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, 0, _, _, _, _, 1, true) : drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, 0, _, _, _, _, _, true) : accept();
+            (_, _, _, _, _, _, _, 0, _, _, _, _, 1, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, 0, _, _, _, _, _, 0, true) : accept_copy0();
+            (_, _, _, _, _, _, _, 0, _, _, _, _, _, 1, true) : accept_copy1();
             /* with one: it names the sender, members only, and min_count fits it */
-            (_, _, _, _, _, _, _, _, _, 0, _, _, _, true) : drop_job(JC_DROP_BAD_EXPECTED);
-            (_, _, _, _, _, _, _, _, _, _, 1, _, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, _, 0, _, _, _, _, true) : accept();
-            (_, _, _, _, _, _, _, _, _, _, _, 1, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, _, 0x40 &&& 0x40, _, _, _, _, true) :
+            (_, _, _, _, _, _, _, _, _, 0, _, _, _, _, true) : drop_job(JC_DROP_BAD_EXPECTED);
+            (_, _, _, _, _, _, _, _, _, _, 1, _, _, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, _, 0, _, _, _, _, 0, true) : accept_copy0();
+            (_, _, _, _, _, _, _, _, 0, _, _, _, _, 1, true) : accept_copy1();
+            (_, _, _, _, _, _, _, _, _, _, _, 1, _, _, true) : drop_job(JC_DROP_UNSATISFIABLE);
+            (_, _, _, _, _, _, _, _, 0x40 &&& 0x40, _, _, _, _, _, true) :
                 drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, _, 0x80 &&& 0x80, _, _, _, _, true) :
+            (_, _, _, _, _, _, _, _, 0x80 &&& 0x80, _, _, _, _, _, true) :
                 drop_job(JC_DROP_UNSATISFIABLE);
-            (_, _, _, _, _, _, _, _, _, _, _, _, _, true) : accept();
+            (_, _, _, _, _, _, _, _, _, _, _, _, _, 0, true) : accept_copy0();
+            (_, _, _, _, _, _, _, _, _, _, _, _, _, 1, true) : accept_copy1();
         }
     }
 
@@ -182,18 +223,18 @@ control SwitchIngress(inout headers_t hdr,
             agg_checks.apply();
             if (meta.accepted == 1) {
                 /* ---- a valid DATA or FLUSH of a member ---- */
-                slot_state.apply(hdr, meta);
                 if (hdr.agg.pkt_type == TYPE_FLUSH) {
-                    drop_job(JC_FLUSH);                     /* no reply */
+                    drop_job(JC_FLUSH);                     /* emptied by agg_checks; no reply */
                 } else {
-                    /* the result fields first: the RESULT's word count waits for them */
-                    result_fields.apply(hdr, meta);
+                    slot_state.apply(hdr, meta);
+                    /* the registers of the result right after the decision's last answer */
                     SUM_WORD(0,  0,  1)  SUM_WORD(1,  2,  3)  SUM_WORD(2,  4,  5)
                     SUM_WORD(3,  6,  7)  SUM_WORD(4,  8,  9)  SUM_WORD(5,  10, 11)
                     SUM_WORD(6,  12, 13) SUM_WORD(7,  14, 15) SUM_WORD(8,  16, 17)
                     SUM_WORD(9,  18, 19) SUM_WORD(10, 20, 21) SUM_WORD(11, 22, 23)
                     SUM_WORD(12, 24, 25) SUM_WORD(13, 26, 27) SUM_WORD(14, 28, 29)
                     SUM_WORD(15, 30, 31)
+                    result_fields.apply(hdr, meta);
                     if (meta.outcome == OUTCOME_PENDING) {
                         drop_job(JC_PENDING);               /* consumed */
                     } else if (meta.outcome == OUTCOME_DUPLICATE) {

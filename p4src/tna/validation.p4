@@ -18,6 +18,10 @@
 control AggValidation(in headers_t hdr,
                       inout ingress_metadata_t meta,
                       in ingress_intrinsic_metadata_from_parser_t ig_prsr_md) {
+    /* (round & 1) ++ slot_index through the hash unit: an ALU concatenation would tie the
+     * round's bit 0 and the slot index to one container layout */
+    Hash<copy_index_t>(HashAlgorithm_t.IDENTITY) copy_of_slot;
+
     action set_header_check(bit<2> check) {
         meta.header_check = check;
     }
@@ -189,6 +193,11 @@ control AggValidation(in headers_t hdr,
         meta.members_gap = meta.member_count - hdr.agg.min_count;
         expected_size_ab.apply();
         expected_size_abc.apply();
+        /* the slot state's inputs, for every packet: agg_checks' accepting actions use
+         * slot_index in the stage right after this one, copy_round the copy index in the
+         * stage after that (computed behind no gateway, so without a stage of its own) */
+        meta.slot_index = meta.slot_base + (slot_index_t)hdr.agg.slot;
+        meta.copy_index = copy_of_slot.get({hdr.agg.round[0:0], meta.slot_index});
     }
 }
 

@@ -70,9 +70,10 @@ def test_job_entries_carry_the_job_description():
     cfg = config()
     plan = ThcInaSwitch(BfrtStandIn(), OPTIONS).install(cfg)
     jobs = {e.key_dict["job"]: e.data_dict for e in plan.entries if e.table == tp.T_JOBS}
-    assert jobs[10] == {"counter_base": 0, "slot_base": 0, "pool_size": 8,
+    assert jobs[10] == {"job_index": 0, "counter_base": 0, "slot_base": 0, "pool_size": 8,
                         "values_per_packet": 64, "member_count": 4, "group": 1}
     assert jobs[11]["slot_base"] == 8 and jobs[11]["counter_base"] == 16
+    assert jobs[11]["job_index"] == 1
     assert jobs[11]["group"] == 2
     # rule R3: one ternary entry per job matches an expected set of members only
     strays = {e.key_dict["job"]: (e.key_dict["expected"], e.action)
@@ -85,6 +86,7 @@ def test_job_entries_carry_the_job_description():
     assert len(keys) == 7
     lanes = [e for e in plan.entries if e.table == tp.lookup_table(17)]
     assert len(lanes) == 2 * 256
+    assert {e.key_dict["job_index"] for e in lanes} == {0, 1}     # keyed on the dense index
     for e in lanes:
         b = e.key_dict["packed"]
         assert e.data_dict == {"high_value": TABLE[b >> 4], "low_value": TABLE[b & 15]}

@@ -5,6 +5,7 @@ Where a Tofino compiler is installed (bf-p4c, or p4c with the p4c-barefoot back 
 last test compiles the program and it must compile; elsewhere it skips with the reason."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import struct
@@ -13,6 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from bfrt_scripts import bfrt_controls
 from bfrt_scripts import tofino_plan as tp
 from dataplane import config as dc
 from dataplane import reference as ref
@@ -266,8 +268,8 @@ FEATURES = {
                                         r"eg_intr_md\.egress_rid"],
     "unicast re-serve and STRAGGLER": [r"OUTCOME_RESERVE", r"TYPE_STRAGGLER",
                                        r"FLAG_RESERVE \| FLAG_LATE"],
-    "completion by expected set or min_count": [r"meta\.target = meta\.expected_size",
-                                                r"meta\.target = hdr\.agg\.min_count"],
+    "completion by expected set or min_count": [r"meta\.target_left = meta\.expected_size - 1",
+                                                r"meta\.target_left = hdr\.agg\.min_count - 1"],
     "DLCP queue, colour, deflection, CE": [r"ig_tm_md\.qid", r"ig_tm_md\.packet_color",
                                            r"ig_tm_md\.deflect_on_drop",
                                            r"eg_intr_md\.enq_qdepth", r"hdr\.ipv4\.diffserv\[1:0\] = 3"],
@@ -291,7 +293,7 @@ def test_validation_order_follows_the_protocol(controls):
              "GC_DROP_UNKNOWN_JOB", "GC_DROP_BAD_LENGTH", "JC_DROP_BAD_SLOT",
              "JC_DROP_NOT_MEMBER", "JC_DROP_BAD_EXPECTED", "JC_DROP_UNSATISFIABLE"]
     verdicts = [a for _, (_, a) in agg_checks_rows(controls)]
-    named = [v for v in dict.fromkeys(verdicts) if v != "accept"]
+    named = [v for v in dict.fromkeys(verdicts) if not v.startswith("accept")]
     assert [v for v in named if v in order] == list(dict.fromkeys(order))
     assert controls["SwitchIngress"].tables["agg_checks"].default == (
         "drop_global", [0])                    # GC_DROP_TRUNCATED: no valid AGG header
@@ -299,22 +301,8 @@ def test_validation_order_follows_the_protocol(controls):
 
 def agg_checks_rows(controls) -> list[tuple[list[str], tuple[str, str]]]:
     """agg_checks' constant rows in priority order: (key patterns, (action, cell name))."""
-    body = controls["SwitchIngress"].body
-    table, _ = ts.block_after(body, body.index("table agg_checks"))
-    entries, _ = ts.block_after(table, table.index("const entries"))
-    rows = re.findall(r"\(([^()]*)\)\s*:\s*(\w+)\((\w*)\)\s*;", entries)
-    return [([p.strip() for p in keys.split(",")], (action, cell)) for keys, action, cell in rows]
-
-
-def ternary_match(value: int, pattern: str, names: dict[str, str]) -> bool:
-    if pattern == "_":
-        return True
-    if pattern in ("true", "false"):
-        return value == (pattern == "true")
-    if "&&&" in pattern:
-        want, mask = (ts.eval_int(p, names) for p in pattern.split("&&&"))
-        return value & mask == want & mask
-    return value == ts.eval_int(pattern, names)
+    return [(keys, (action, args))
+            for keys, action, args in ts.const_rows(controls["SwitchIngress"], "agg_checks")]
 
 
 def tofino_check_inputs(cfg, plan, h: dict, udp_payload_len: int) -> dict:
@@ -341,7 +329,8 @@ def tofino_check_inputs(cfg, plan, h: dict, udp_payload_len: int) -> dict:
         "in_expected": int(h["worker"] < 32 and e >> h["worker"] & 1),
         "expected_strays": int(strays),
         "too_few_expected": int(sum(chunks) + 1 <= h["min_count"] & 63),
-        "members_short": (len(members) - h["min_count"]) >> 7 & 1, "agg_valid": 1}
+        "members_short": (len(members) - h["min_count"]) >> 7 & 1, "parity": h["round"] & 1,
+        "agg_valid": 1}
 
 
 def tp_match(value: int, key) -> bool:
@@ -374,17 +363,19 @@ def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
                                                    8192, 8195, 65535),
              "worker": pick(0, 1, 2, 2, 3, 31, 40),
              "min_count": pick(0, 0, 1, 2, 3, 4, 63, 64, 65, 128, 200),
-             "expected": pick(0, 0, int(rng.integers(0, 8)), int(rng.integers(0, 16)), 1 << 31)}
+             "expected": pick(0, 0, int(rng.integers(0, 8)), int(rng.integers(0, 16)), 1 << 31),
+             "round": int(rng.integers(0, 1 << 32))}
         payload = (h["num_values"] + 1) // 2 if h["type"] == 0 else 0
         udp_payload_len = 32 + payload + pick(0, 0, 0, 0, 0, 1, -1)
         inputs = tofino_check_inputs(cfg, plan, h, udp_payload_len)
         verdict = next(v for pats, v in rows
-                       if all(ternary_match(inputs[k], p, names) for k, p in zip(keys, pats)))
+                       if all(ts.pattern_matches(inputs[k], p, names) for k, p in zip(keys, pats)))
         sw = ref.ReferenceSwitch(cfg)
         member = next((m for j in cfg.jobs if j.job == h["job"] for m in j.members
                        if m.worker == h["worker"]), None)
         data = struct.pack(">BBHHBBIIIIIHBB", h["version"] << 4 | h["type"], 0, h["job"],
-                           h["slot"], h["worker"], h["min_count"], 5, h["expected"], 0, 0, 0,
+                           h["slot"], h["worker"], h["min_count"], h["round"], h["expected"],
+                           0, 0, 0,
                            h["num_values"], 0, 0) + bytes(max(payload, 0))
         sw.handle_agg(member.port if member else 7, data, udp_payload_len, True, 0)
         before = ref.ReferenceSwitch(cfg).counters()
@@ -392,10 +383,14 @@ def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
         moved |= {n for j, c in sw.counters()["jobs"].items() for n, v in c.items()
                   if v != before["jobs"][j][n]}
         action, cell = verdict
-        want = {"rx"} if action == "accept" else {cell_names[cell]}
-        assert want <= moved and (action == "accept" or len(moved) == 1), (h, verdict, moved)
+        accepted = action.startswith("accept")
+        want = {"rx"} if accepted else {cell_names[cell]}
+        assert want <= moved and (accepted or len(moved) == 1), (h, verdict, moved)
+        if accepted:        # the occupancy step it runs: the FLUSH's slot, or the round's copy
+            assert action == ("accept_flush" if h["type"] == 3 else
+                              f"accept_copy{h['round'] & 1}"), (h, action)
         seen.add(verdict)
-    assert {v for _, v in rows} <= seen | {("accept", "")}, "every row decided some packet"
+    assert {v for _, v in rows} <= seen, "every row decided some packet"
 
 
 # ---------------------------------------------------------------- arithmetic of the program
@@ -508,6 +503,27 @@ def tofino_compiler() -> list[str] | None:
 KNOWN_TOFINO_GAP = re.compile(r"error: tofino supports up to 12 stages, using (\d+)")
 
 
+def assert_plan_fits_bfrt(bfrt: dict) -> None:
+    """Every write the deployment scripts make names a table, key field, action and
+    action parameter of the compiler's own control-plane description (bfrt.json), and
+    every counter and register they read exists there."""
+    tables = {t["name"]: t for t in bfrt["tables"]}
+    plan = tp.plan_switch(full_config(), tp.DeployOptions(drop_report_port=5))
+    for e in plan.entries + plan.defaults:
+        assert e.table in tables, e.table
+        t = tables[e.table]
+        keys = {k["name"] for k in t.get("key", [])}
+        assert {n for n, _ in getattr(e, "key", ())} <= keys | {"$MATCH_PRIORITY",
+                                                                "MATCH_PRIORITY"}, e
+        actions = {a["name"].split(".")[-1]: a for a in t.get("action_specs", [])}
+        assert e.action in actions, (e.table, e.action, sorted(actions))
+        assert [n for n, _ in e.data] == [d["name"] for d in actions[e.action]["data"]], e
+    for path in (tp.C_JOB, tp.C_GLOBAL, tp.C_DLCP):
+        assert path in tables, path
+    for name in bfrt_controls.SlotState.REGISTERS:
+        assert f"{tp.INGRESS}.slot_state.{name}" in tables, name
+
+
 @pytest.mark.timeout(1800)             # a Tofino compile takes minutes
 def test_the_program_compiles_for_tofino(tmp_path):
     command = tofino_compiler()
@@ -518,6 +534,9 @@ def test_the_program_compiles_for_tofino(tmp_path):
     out = subprocess.run(command + ["-o", str(tmp_path), str(ts.P4_MAIN)],
                          capture_output=True, text=True, timeout=1700)
     log = out.stdout + out.stderr
+    bfrt = tmp_path / "bfrt.json"
+    assert bfrt.exists(), log[-8000:]
+    assert_plan_fits_bfrt(json.loads(bfrt.read_text()))
     gap = KNOWN_TOFINO_GAP.search(log)
     if out.returncode != 0 and gap:
         # Parser, PHV allocation, gateways, actions and table placement all pass: the

@@ -12,6 +12,7 @@ reference speaks protocol v2) goes through both; every emitted AGG packet and ev
 per-job counter must agree byte for byte."""
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -21,10 +22,31 @@ from bfrt_scripts import tofino_plan as tp
 from dataplane import reference as ref
 from dataplane.config import Job, Member, SwitchConfig
 
+from . import tna_source as ts
+
+NAMES = ts.constants(ts.preprocess())
+
 M32 = 0xFFFFFFFF
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 HEADER = struct.Struct(">BBHHBBIIIIIHBB")
 TYPE_DATA, TYPE_RESULT, TYPE_STRAGGLER, TYPE_FLUSH = 0, 1, 2, 3
+
+
+@functools.lru_cache(maxsize=None)
+def decide_rows(control: str, table: str):
+    ctl = ts.program()[control]
+    keys = [name for name, _ in ctl.tables[table].keys]
+    return keys, ts.const_rows(ctl, table), ctl.tables[table].default[0]
+
+
+def decide(control: str, table: str, answers: dict[str, int]) -> tuple[str, str]:
+    """What a decision table of aggregation.p4 does for these answers: its first matching
+    constant entry (parsed from the source), or the default action."""
+    keys, rows, default = decide_rows(control, table)
+    for patterns, action, args in rows:
+        if all(ts.pattern_matches(answers[k], p, NAMES) for k, p in zip(keys, patterns)):
+            return action, args
+    return default, ""
 
 
 def popcount(x: int) -> int:
@@ -48,7 +70,7 @@ class TnaSlotModel:
         # lookup.p4: the installed byte tables of this job, position by position
         self.lanes = {}
         for e in plan.entries:
-            if e.table.endswith("byte_to_lanes") and e.key_dict["job"] == job.job:
+            if e.table.endswith("byte_to_lanes") and e.key_dict["job_index"] == layout.index:
                 position = int(e.table.split(".")[-2].split("_")[1])
                 d = e.data_dict
                 self.lanes[position, e.key_dict["packed"]] = d["high_value"] << 8 | d["low_value"]
@@ -68,7 +90,7 @@ class TnaSlotModel:
         return [pairs[2 * k] << 16 | pairs[2 * k + 1] for k in range(tp.SUM_WORDS)]
 
     def packet(self, h: list, payload: bytes) -> list[bytes]:
-        (ver_type, flags, job, slot, worker, min_count, round_, expected, contributors,
+        (ver_type, flags, job, slot, worker, min_count, round_, expected, contributors_in,
          tensor, offset, num_values, count, reserved) = h
         ptype = ver_type & 0xF
         wbit = 1 << worker
@@ -80,7 +102,9 @@ class TnaSlotModel:
         parity = round_ & 1
         copy = parity << 13 | slot_index
         expected_size = popcount(expected)
-        target = min_count if (expected_size == 0 or min_count != 0) else expected_size
+        source = decide("SlotState", "round_target",           # round_target
+                         {"expected_size": expected_size, "min_count": min_count})[0]
+        target = {"target_from_min_count": min_count, "target_from_expected": expected_size}[source]
         target_left = (target - 1) & 0xFF
         occ = list(self.reg["occupancy"].get(slot_index, (0, 0)))   # occupy_copy<parity>
         was_occupied, occ[parity] = occ[parity], 1
@@ -111,47 +135,40 @@ class TnaSlotModel:
             left_before = left
             if already_seen == 0 and left != 0:
                 self.reg["copy_left"][copy] = left - 1
-        if fresh:
-            outcome = "complete" if target == 1 else "pending"
-        elif obsolete:
-            outcome = "straggler"
-        elif left_before == 0:
-            outcome = "reserve"
-        elif already_seen != 0:
-            outcome = "duplicate"
-        elif left_before == 1:
-            outcome = "complete"
-        else:
-            outcome = "pending"
+        # the decision tables, row by row from the source (DECISION_KEY)
+        answers = {"fresh": int(fresh), "same_round": int(same), "already_seen": already_seen,
+                   "left_before": left_before, "target_left": target_left}
+        outcome = decide("SlotState", "packet_outcome", answers)
+        outcome = {"OUTCOME_COMPLETE": "complete", "OUTCOME_PENDING": "pending",
+                   "OUTCOME_RESERVE": "reserve", "OUTCOME_DUPLICATE": "duplicate",
+                   "OUTCOME_STRAGGLER": "straggler"}[outcome[1]]
         # ResultFields: contributors
         bitmap_reg = self.reg["copy_contributors"]
-        if fresh:
-            bitmap_reg[copy] = wbit
-            contributors = wbit
-        elif obsolete:
+        contributors = contributors_in                              # leave_fields
+        bitmap_action = decide("ResultFields", "contributor_bitmap", answers)
+        if bitmap_action[0] == "start_bitmap":
+            bitmap_reg[copy] = contributors = wbit
+        elif bitmap_action[0] == "join_bitmap":
+            bitmap_reg[copy] = contributors = self.get("copy_contributors", copy) | wbit
+        elif bitmap_action[0] == "read_bitmap":
             contributors = self.get("copy_contributors", copy)
-        elif same and left_before == 0:
-            contributors = self.get("copy_contributors", copy)
-        elif same and already_seen == 0:
-            bitmap_reg[copy] = self.get("copy_contributors", copy) | wbit
-            contributors = bitmap_reg[copy]
         fields = {"expected": expected, "tensor": tensor, "offset": offset,
                   "num_values": num_values, "min_count": min_count}
-        if outcome == "complete":                                    # store_fields
-            for name, value in fields.items():
-                self.reg[f"result_{name}"][copy] = value
-        elif outcome == "reserve":                                   # load_fields
-            fields = {name: self.get(f"result_{name}", copy) for name in fields}
+        for name in fields:
+            action = decide("ResultFields", f"keep_{name}", answers)[0]
+            if action == f"store_{name}_field":
+                self.reg[f"result_{name}"][copy] = fields[name]
+            elif action == f"load_{name}_field":
+                fields[name] = self.get(f"result_{name}", copy)
         # SumWord x 16
         values = self.values(payload, num_values)
         sums = [0] * tp.SUM_WORDS
+        sum_action = decide("SumWord", "sum_word", answers)[0]
         for k in range(tp.SUM_WORDS):
             cells = self.reg[f"sums_{k}"]
-            if fresh:
+            if sum_action == "start_sum":
                 cells[copy] = values[k]
-            elif same and left_before == 0:
-                pass                                                 # read_values
-            elif same and already_seen == 0:
+            elif sum_action == "add_sum":
                 cells[copy] = (self.get(f"sums_{k}", copy) + values[k]) & M32
             sums[k] = self.get(f"sums_{k}", copy)
         cell = {"pending": "pending", "complete": "complete", "duplicate": "duplicate",

@@ -25,7 +25,7 @@ P4_MAIN = P4_DIR / "thc_ina.p4"
 # Widths of the type names the program uses (tna.p4's and headers.p4's).
 TYPE_WIDTHS = {"PortId_t": 9, "MulticastGroupId_t": 16, "QueueId_t": 5, "mac_addr_t": 48,
                "ipv4_addr_t": 32, "slot_index_t": 13, "copy_index_t": 14,
-               "route_index_t": 10, "next_hop_index_t": 13}
+               "route_index_t": 10, "next_hop_index_t": 13, "job_index_t": 4}
 
 
 def preprocess(defines: dict[str, str] | None = None) -> str:
@@ -161,6 +161,38 @@ def eval_int(expr: str, names: dict[str, str] | None = None) -> int:
     if not re.fullmatch(r"[\dxXa-fA-F\s*+()<-]+", expr):
         raise ValueError(f"not a constant expression: {expr}")
     return int(eval(expr, {"__builtins__": {}}))   # literals and arithmetic only
+
+
+def const_rows(ctl: Control, table: str) -> list[tuple[list[str], str, str]]:
+    """A table's constant entries in priority order: (key patterns, action, arguments)."""
+    tb, _ = block_after(ctl.body, re.search(rf"\btable\s+{table}\s*\{{", ctl.body).end() - 1)
+    entries, _ = block_after(tb, tb.index("const entries"))
+    rows = re.findall(r"\(([^()]*)\)\s*:\s*(\w+)\(([^()]*)\)\s*;", entries)
+    return [([p.strip() for p in keys.split(",")], action, args.strip())
+            for keys, action, args in rows]
+
+
+def pattern_matches(value: int, pattern: str, names: dict[str, str] | None = None) -> bool:
+    """One key of a constant entry: `_`, a value, `value &&& mask`, true / false."""
+    if pattern == "_":
+        return True
+    if pattern in ("true", "false"):
+        return value == (pattern == "true")
+    if "&&&" in pattern:
+        want, mask = (eval_int(p, names) for p in pattern.split("&&&"))
+        return value & mask == want & mask
+    return value == eval_int(pattern, names)
+
+
+def first_match(ctl: Control, table: str, inputs: dict[str, int],
+                names: dict[str, str] | None = None) -> tuple[str, str] | None:
+    """(action, arguments) of the first constant entry matching `inputs` (bfrt key name
+    -> value), None where the default action runs."""
+    keys = [name for name, _ in ctl.tables[table].keys]
+    for patterns, action, args in const_rows(ctl, table):
+        if all(pattern_matches(inputs[k], p, names) for k, p in zip(keys, patterns)):
+            return action, args
+    return None
 
 
 @lru_cache(maxsize=4)
