@@ -200,13 +200,6 @@ control SwitchIngress(inout headers_t hdr,
         switch_address.apply(hdr, meta);
         job_membership.apply(hdr, meta, ig_intr_md.ingress_port);
         validation.apply(hdr, meta, ig_prsr_md);
-        /* the lookups only read the packet: they run in the first stages for every packet
-         * (an invalid index byte gives zero lanes) */
-        LOOKUP(0)  LOOKUP(1)  LOOKUP(2)  LOOKUP(3)  LOOKUP(4)  LOOKUP(5)  LOOKUP(6)  LOOKUP(7)
-        LOOKUP(8)  LOOKUP(9)  LOOKUP(10) LOOKUP(11) LOOKUP(12) LOOKUP(13) LOOKUP(14) LOOKUP(15)
-        LOOKUP(16) LOOKUP(17) LOOKUP(18) LOOKUP(19) LOOKUP(20) LOOKUP(21) LOOKUP(22) LOOKUP(23)
-        LOOKUP(24) LOOKUP(25) LOOKUP(26) LOOKUP(27) LOOKUP(28) LOOKUP(29) LOOKUP(30) LOOKUP(31)
-
         /* ---- rule R4, then protocol.md 4.1 (agg_checks) ---- */
         if (meta.agg_fragment == 1 || (meta.is_fragment == 1 && meta.to_switch == 1)) {
             drop_global(GC_DROP_FRAGMENT);
@@ -227,6 +220,14 @@ control SwitchIngress(inout headers_t hdr,
                     drop_job(JC_FLUSH);                     /* emptied by agg_checks; no reply */
                 } else {
                     slot_state.apply(hdr, meta);
+                    /* the lookups only read the packet; behind agg_checks they fill the
+                     * slot-state stages, which leaves the first stages to the checks */
+                    LOOKUP(0)  LOOKUP(1)  LOOKUP(2)  LOOKUP(3)  LOOKUP(4)  LOOKUP(5)
+                    LOOKUP(6)  LOOKUP(7)  LOOKUP(8)  LOOKUP(9)  LOOKUP(10) LOOKUP(11)
+                    LOOKUP(12) LOOKUP(13) LOOKUP(14) LOOKUP(15) LOOKUP(16) LOOKUP(17)
+                    LOOKUP(18) LOOKUP(19) LOOKUP(20) LOOKUP(21) LOOKUP(22) LOOKUP(23)
+                    LOOKUP(24) LOOKUP(25) LOOKUP(26) LOOKUP(27) LOOKUP(28) LOOKUP(29)
+                    LOOKUP(30) LOOKUP(31)
                     /* the registers of the result right after the decision's last answer */
                     SUM_WORD(0,  0,  1)  SUM_WORD(1,  2,  3)  SUM_WORD(2,  4,  5)
                     SUM_WORD(3,  6,  7)  SUM_WORD(4,  8,  9)  SUM_WORD(5,  10, 11)
