@@ -65,6 +65,8 @@ from host.datagram import SOCKET_BUFFER_BYTES, DatagramSocket, PacketRows
 from host.dlcp.marking import tos_byte
 from host.dlcp.ratecontrol import REPORT_PERIOD_S, RateController
 
+FINISHED_MEMORY = 4096      # finished tensor ids a receiver remembers (late vs early datagrams)
+
 # --- wire format -------------------------------------------------------------------
 DATA_HEADER = struct.Struct("!IIHIBB")   # tensor_id, offset (values), length (values), seq, flags, reserved
 DATA_HEADER_LEN = DATA_HEADER.size       # 16
@@ -329,12 +331,16 @@ class DlcpReceiver:
     def __init__(self, host: str = "127.0.0.1", udp_port: int = 0, tcp_port: int = 0, *,
                  max_values: int = 1 << 24, missing_policy: str = "zero",
                  report_period_s: float = REPORT_PERIOD_S, stop_drain_s: float = 0.02,
-                 rcvbuf: int = 8 << 20, batched: bool | None = None) -> None:
+                 rcvbuf: int = 8 << 20, batched: bool | None = None,
+                 finished_memory: int = FINISHED_MEMORY) -> None:
         if missing_policy not in MISSING_POLICIES:
             raise ValueError(f"missing_policy {missing_policy!r}: use one of {MISSING_POLICIES}")
         if report_period_s <= 0:
             raise ValueError("report_period_s must be > 0")
+        if finished_memory < 1:
+            raise ValueError("finished_memory must be >= 1 (tensor ids remembered as finished)")
         self.max_values = max_values
+        self.finished_memory = finished_memory
         self.missing_policy = missing_policy
         self.report_period_s = report_period_s
         self.stop_drain_s = stop_drain_s
@@ -364,7 +370,9 @@ class DlcpReceiver:
         self._iterations: dict[int, _InboundIteration] = {}
         self._own: dict[int, np.ndarray] = {}
         self._done: dict[int, TransferResult] = {}
-        self._finished_ids: set[int] = set()
+        # the newest finished tensor ids, oldest first: their stray datagrams count as late
+        # (older ones as early drops); bounded, as ids grow with the iteration
+        self._finished_ids: dict[int, None] = {}
         self._errors: list[str] = []
         self._cond = threading.Condition()
         self._readers: dict[socket.socket, FrameReader] = {}
@@ -532,7 +540,7 @@ class DlcpReceiver:
                 it.incomplete += 1
             it.tensors.append(st)
             self._active[t.tensor_id] = st
-            self._finished_ids.discard(t.tensor_id)
+            self._finished_ids.pop(t.tensor_id, None)
         self._iterations[key] = it
         if it.incomplete == 0:
             self._finish(it)
@@ -588,7 +596,9 @@ class DlcpReceiver:
         self._forget(it)
         with self._cond:
             for st in it.tensors:
-                self._finished_ids.add(st.tensor_id)
+                self._finished_ids[st.tensor_id] = None
+                if len(self._finished_ids) > self.finished_memory:
+                    del self._finished_ids[next(iter(self._finished_ids))]
                 own = self._own.pop(st.tensor_id, None)
                 values = apply_missing_policy(st.padded.reshape(-1)[:st.num_values], st.received,
                                               st.vps, self.missing_policy, own)

@@ -14,7 +14,7 @@ from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, MSG_
                                  TensorToSend, apply_missing_policy, encode_segments, fin_threshold,
                                  frame, segment_bounds, send_order)
 
-from .conftest import fin_count, retx_segments
+from .conftest import RawSender, fin_count, retx_segments
 
 RNG = np.random.default_rng(7)
 
@@ -456,3 +456,33 @@ def test_deficit_only_resends_meet_the_bound(receiver):
     assert res.received.sum() == 90 and res.delivered_fraction >= 0.9
     with pytest.raises(ValueError, match="retx_extra"):
         DlcpSender(receiver.udp_addr, receiver.tcp_addr, retx_extra=-1)
+
+
+def test_finished_tensor_memory_is_bounded():
+    """A receiver remembers the newest `finished_memory` finished tensor ids (their stray
+    datagrams count as late); ids grow with the iteration, so older ones are forgotten and
+    a stray datagram of one counts as an early drop."""
+    with pytest.raises(ValueError, match="finished_memory"):
+        DlcpReceiver(finished_memory=0)
+    with DlcpReceiver(report_period_s=0.001, finished_memory=2) as r:
+        raw = RawSender(r)
+        try:
+            x = grad(100, 12)
+            strays = {}
+            for tid in (201, 202, 203):
+                grams = raw.datagrams(tid, x)
+                raw.start(tid, x.size, 0.0)
+                for g in grams:
+                    raw.send(g)
+                raw.settle(until_udp=r.data_packets + len(grams))
+                raw.end(tid, len(grams))
+                assert np.array_equal(r.wait(tid, timeout=5).values, x)
+                strays[tid] = grams[0]
+            raw.send(strays[203])                  # remembered: late
+            raw.settle(until_udp=r.data_packets + r.early_drops + 1)
+            assert (r.late_packets, r.early_drops) == (1, 0)
+            raw.send(strays[201])                  # forgotten: as if never announced
+            raw.settle(until_udp=r.data_packets + r.late_packets + 1)
+            assert (r.late_packets, r.early_drops) == (1, 1)
+        finally:
+            raw.close()
