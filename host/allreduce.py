@@ -47,6 +47,7 @@ every worker raised together (sizes, dtype, NaN) leaves the state usable, any ot
 """
 from __future__ import annotations
 
+import collections
 import math
 import os
 import queue
@@ -65,6 +66,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
 CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
 PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
+CALL_HISTORY = 100_000                 # call times kept (THCAllreduce.call_seconds)
 
 
 class AllreduceError(RuntimeError):
@@ -404,7 +406,8 @@ class THCAllreduce:
         # ("exchange") and on the control and norm exchanges ("norms").
         self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0}
         self.control_bytes = 0
-        self.call_seconds: list[float] = []    # each call's time (tail latency)
+        # the newest calls' times (tail latency), bounded for long jobs
+        self.call_seconds: collections.deque[float] = collections.deque(maxlen=CALL_HISTORY)
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None

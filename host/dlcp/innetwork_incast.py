@@ -81,7 +81,7 @@ def _worker(rank, cfg, queue):
             acc = float((logits.argmax(1) == torch.from_numpy(yte)).float().mean())
             test_loss = float(F.cross_entropy(logits, torch.from_numpy(yte)))
         ar = state.allreduce
-        out = {"call_seconds": ar.call_seconds, "loss_stats": dict(ar.loss_stats),
+        out = {"call_seconds": list(ar.call_seconds), "loss_stats": dict(ar.loss_stats),
                "transport": ar.exchange.transport.stats.as_dict(), "test_acc": acc,
                "test_loss": test_loss,
                "buckets": len(state.bucket_sizes)}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import thc
+from host.allreduce import CALL_HISTORY
 
 from hosttest_util import free_port, job_config, run_worker_processes
 
@@ -46,6 +47,8 @@ def _scenarios(rank, aggregator, members):
     out["sum_path"] = sum_state.reduce(g, 0).numpy()
     out["aggregator_path"] = agg_state.reduce(g, 0).numpy()
     out["transport"] = agg_state.allreduce.exchange.transport.stats.as_dict()
+    calls = agg_state.allreduce.call_seconds
+    out["call_history"] = (len(calls), calls.maxlen, min(calls))
     # Error feedback: the stored error is x - own decoded, non-zero and finite.
     ef_state = thc_hook_state(codec=codec)
     ef_state.reduce(g, 7)
@@ -169,6 +172,9 @@ def test_sum_path_equals_codec_simulation_and_aggregator_path(run):
     mean = np.mean(grads, axis=0)
     nmse = np.sum((results[0]["sum_path"] - mean) ** 2) / np.sum(mean ** 2)
     assert nmse < 0.05                                   # THC b=4: ~0.02 for n=3 Gaussians
+    # one timed call so far, in a history bounded for long jobs
+    n, maxlen, shortest = results[0]["call_history"]
+    assert n == 1 and maxlen == CALL_HISTORY and shortest > 0
 
 
 def test_error_feedback_and_dtypes(run):
