@@ -169,11 +169,14 @@ def worker_main(rank, world, cfg, results):
                                        pool_size=cfg["pool_size"], codec=codec,
                                        worker_address=tuple(cfg["members"][rank])
                                        if aggregator else None, timeout=cfg["timeout"],
-                                       values_per_packet=cfg["values_per_packet"])
+                                       values_per_packet=cfg["values_per_packet"],
+                                       loss_bound=cfg["loss_bound"] if aggregator else 0.0)
             out[compressor] = _train_run(rank, world, cfg, compressor, state, tqdm)
             if state and compressor == "thc":
                 out[compressor]["transport"] = \
                     state.allreduce.exchange.transport.stats.as_dict()
+                out[compressor]["loss_stats"] = {     # counts (lost_marks is per mark)
+                    k: v for k, v in state.allreduce.loss_stats.items() if isinstance(v, int)}
                 state.allreduce.exchange.transport.close()
             dist.barrier()
         results.put((rank, out, None))
@@ -214,6 +217,10 @@ def parse_args(argv=None):
                          "shaped links above 1440 the links get jumbo frames)")
     ap.add_argument("--timeout", type=float, default=30.0,
                     help="seconds without progress before a worker gives up")
+    ap.add_argument("--loss-bound", type=float, default=0.0,
+                    help="DLCP's bounded loss p on the in-network THC path (0 = exact): a "
+                         "tensor may finish with up to p of its chunks lost, decoded as zero "
+                         "on every worker alike (docs/dlcp.md)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default="out")
     args = ap.parse_args(argv)
@@ -224,6 +231,10 @@ def parse_args(argv=None):
                  "(8 x granularity 30 = 240 <= 255); use --compressor thc-allreduce for more")
     if args.steps < 1:
         ap.error("--steps must be at least 1")
+    if not 0.0 <= args.loss_bound < 1.0:
+        ap.error(f"--loss-bound {args.loss_bound}: a fraction of chunks, 0 <= p < 1")
+    if args.loss_bound and args.compressor != "thc":
+        ap.error("--loss-bound applies to the in-network path: use it with --compressor thc")
     external = args.aggregator not in ("reference", "dpdk")
     if external and args.compressor == "thc" and not args.worker_port_base:
         ap.error(f"--aggregator {args.aggregator}: give --worker-port-base so the aggregator's "
@@ -360,7 +371,7 @@ def run_workers(args, aggregator, members, runs=None, links=None):
            "eval_every": args.eval_every, "job": args.job, "pool_size": args.pool_size,
            "aggregator": f"{aggregator[0]}:{aggregator[1]}" if aggregator else None,
            "members": members, "timeout": args.timeout,
-           "values_per_packet": args.values_per_packet,
+           "values_per_packet": args.values_per_packet, "loss_bound": args.loss_bound,
            "netns": links["netns"] if links else None,
            "gloo_ifname": links["gloo_ifname"] if links else None,
            "env": links["env"] if links else {}}
@@ -442,6 +453,7 @@ def report(args, runs, outs):
                         "train_loss": r0["log"]["train_loss"][-1],
                         "bytes_sent_per_worker_per_step": per_step, "ms_per_step": ms,
                         "log": r0["log"], "transport": r0.get("transport"),
+                        "loss_stats": r0.get("loss_stats"),
                         "allreduce_seconds": r0.get("seconds")}
         print(f"{names[run]:<16}{summary[run]['test_acc']:>10.3f}"
               f"{summary[run]['train_loss']:>12.4f}{per_step / 1024:>14.1f}{ms:>10.2f}")
@@ -461,7 +473,7 @@ def report(args, runs, outs):
     (out_dir / "main_job.json").write_text(json.dumps(
         {"workers": args.workers, "steps": args.steps, "link_mbit": args.link_mbit,
          "hidden": args.hidden, "values_per_packet": args.values_per_packet,
-         "aggregator": args.aggregator, "runs": summary, "time_to_accuracy": tta},
+         "loss_bound": args.loss_bound, "aggregator": args.aggregator, "runs": summary, "time_to_accuracy": tta},
         indent=1))
     plot(summary, names, out_dir / "main_job.png")
     print(f"saved {out_dir / 'main_job.png'} and {out_dir / 'main_job.json'}")

@@ -17,7 +17,7 @@ def run_main_job(*args, timeout=240):
 
 def test_main_job_trains_thc_next_to_fp32(tmp_path):
     res = run_main_job("--workers", "2", "--steps", "30", "--hidden", "64", "--eval-every", "10",
-                       "--out-dir", str(tmp_path))
+                       "--loss-bound", "0.05", "--out-dir", str(tmp_path))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((tmp_path / "main_job.json").read_text())["runs"]
     assert set(summary) == {"thc", "none"}
@@ -28,6 +28,9 @@ def test_main_job_trains_thc_next_to_fp32(tmp_path):
         summary["thc"]["bytes_sent_per_worker_per_step"]
     assert ratio > 2        # n=2: the ring sends 1x fp32; THC 4 bits + headers, tail padding
     assert summary["thc"]["transport"]["results_accepted"] > 0
+    # --loss-bound: the bounded-loss path ran (nothing is lost on loopback)
+    loss = summary["thc"]["loss_stats"]
+    assert loss["tensors"] > 0 and loss["chunks"] > 0 and loss["missing_agreed"] == 0
     assert (tmp_path / "main_job.png").stat().st_size > 10_000
     assert "THC in-network" in res.stdout and "fp32 allreduce" in res.stdout
 
@@ -39,6 +42,10 @@ def test_main_job_refuses_bad_options():
     assert res.returncode != 0 and "invalid choice" in res.stderr
     res = run_main_job("--aggregator", "nohost", "--steps", "1", timeout=60)
     assert res.returncode != 0 and "--worker-port-base" in res.stderr
+    res = run_main_job("--loss-bound", "1.0", "--steps", "1", timeout=60)
+    assert res.returncode != 0 and "0 <= p < 1" in res.stderr
+    res = run_main_job("--loss-bound", "0.1", "--compressor", "thc-allreduce", timeout=60)
+    assert res.returncode != 0 and "--compressor thc" in res.stderr
 
 
 def test_main_job_with_the_dpdk_switch(tmp_path):
