@@ -466,23 +466,26 @@ def test_finished_tensor_memory_is_bounded():
         DlcpReceiver(finished_memory=0)
     with DlcpReceiver(report_period_s=0.001, finished_memory=2) as r:
         raw = RawSender(r)
+
+        def send_all(grams):        # counts taken before sending: the receiver runs meanwhile
+            seen = r.data_packets + r.early_drops + r.late_packets
+            for g in grams:
+                raw.send(g)
+            raw.settle(until_udp=seen + len(grams))
+
         try:
             x = grad(100, 12)
             strays = {}
             for tid in (201, 202, 203):
                 grams = raw.datagrams(tid, x)
                 raw.start(tid, x.size, 0.0)
-                for g in grams:
-                    raw.send(g)
-                raw.settle(until_udp=r.data_packets + len(grams))
+                send_all(grams)
                 raw.end(tid, len(grams))
                 assert np.array_equal(r.wait(tid, timeout=5).values, x)
                 strays[tid] = grams[0]
-            raw.send(strays[203])                  # remembered: late
-            raw.settle(until_udp=r.data_packets + r.early_drops + 1)
+            send_all([strays[203]])                # remembered: late
             assert (r.late_packets, r.early_drops) == (1, 0)
-            raw.send(strays[201])                  # forgotten: as if never announced
-            raw.settle(until_udp=r.data_packets + r.late_packets + 1)
+            send_all([strays[201]])                # forgotten: as if never announced
             assert (r.late_packets, r.early_drops) == (1, 1)
         finally:
             raw.close()
