@@ -4,7 +4,8 @@
  *
  * Build (Tofino 1):  p4c --target tofino --arch tna -o build/tna p4src/tna/thc_ina.p4
  *                    (or the SDE's bf-p4c --target tofino --arch tna ...)
- * Build (Tofino 2):  p4c --target tofino2 --arch t2na ...   (same source)
+ * Build (Tofino 2):  p4c --target tofino2 --arch t2na -Xp4c="--no-clot --disable-dark-allocation"
+ *                    (same source; the options work around the open-source back end)
  * Install:           python -m bfrt_scripts.deploy --config job.json  (bfrt_scripts/) */
 #include <core.p4>
 #if __TARGET_TOFINO__ == 2
