@@ -302,7 +302,7 @@ def test_validation_order_follows_the_protocol(controls):
 def agg_checks_rows(controls) -> list[tuple[list[str], tuple[str, str]]]:
     """agg_checks' constant rows in priority order: (key patterns, (action, cell name))."""
     return [(keys, (action, args))
-            for keys, action, args in ts.const_rows(controls["SwitchIngress"], "agg_checks")]
+            for keys, action, args in controls["SwitchIngress"].tables["agg_checks"].entries]
 
 
 def tofino_check_inputs(cfg, plan, h: dict, udp_payload_len: int) -> dict:
@@ -344,7 +344,6 @@ def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
     give the verdict the reference aggregator gives, with the plane's MAX_VALUES = 64."""
     monkeypatch.setattr(ref, "MAX_VALUES", tp.TOFINO_MAX_VALUES)
     table = controls["SwitchIngress"].tables["agg_checks"]
-    keys = [name for name, _ in table.keys]
     rows = agg_checks_rows(controls)
     names = ts.constants(ts.preprocess())
     cell_names = {f"GC_{n.upper()}": n for n in tp.GLOBAL_CELLS} | {
@@ -368,8 +367,8 @@ def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
         payload = (h["num_values"] + 1) // 2 if h["type"] == 0 else 0
         udp_payload_len = 32 + payload + pick(0, 0, 0, 0, 0, 1, -1)
         inputs = tofino_check_inputs(cfg, plan, h, udp_payload_len)
-        verdict = next(v for pats, v in rows
-                       if all(ts.pattern_matches(inputs[k], p, names) for k, p in zip(keys, pats)))
+        verdict = ts.first_match(table, inputs, names)
+        assert verdict is not None, h               # every valid AGG header meets a row
         sw = ref.ReferenceSwitch(cfg)
         member = next((m for j in cfg.jobs if j.job == h["job"] for m in j.members
                        if m.worker == h["worker"]), None)

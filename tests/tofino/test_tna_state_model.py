@@ -12,7 +12,6 @@ reference speaks protocol v2) goes through both; every emitted AGG packet and ev
 per-job counter must agree byte for byte."""
 from __future__ import annotations
 
-import functools
 import struct
 
 import numpy as np
@@ -32,21 +31,11 @@ HEADER = struct.Struct(">BBHHBBIIIIIHBB")
 TYPE_DATA, TYPE_RESULT, TYPE_STRAGGLER, TYPE_FLUSH = 0, 1, 2, 3
 
 
-@functools.lru_cache(maxsize=None)
-def decide_rows(control: str, table: str):
-    ctl = ts.program()[control]
-    keys = [name for name, _ in ctl.tables[table].keys]
-    return keys, ts.const_rows(ctl, table), ctl.tables[table].default[0]
-
-
 def decide(control: str, table: str, answers: dict[str, int]) -> tuple[str, str]:
     """What a decision table of aggregation.p4 does for these answers: its first matching
     constant entry (parsed from the source), or the default action."""
-    keys, rows, default = decide_rows(control, table)
-    for patterns, action, args in rows:
-        if all(ts.pattern_matches(answers[k], p, NAMES) for k, p in zip(keys, patterns)):
-            return action, args
-    return default, ""
+    t = ts.program()[control].tables[table]
+    return ts.first_match(t, answers, NAMES) or (t.default[0], "")
 
 
 def popcount(x: int) -> int:

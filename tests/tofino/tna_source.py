@@ -85,6 +85,8 @@ class Table:
     has_const_entries: bool
     size: int | None
     default: tuple[str, list[int]] | None = None    # default action and its arguments
+    # the constant entries in priority order: (key patterns, action, argument text)
+    entries: list[tuple[list[str], str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -150,8 +152,17 @@ def _tables(body: str, names: dict[str, str] | None = None) -> dict[str, Table]:
         # program fixes (an add in a stage of its own)
         constant = "const entries" in tb or (not keys and "const default_action" in tb)
         out[m.group(1)] = Table(m.group(1), keys, actions, default_only, constant,
-                                size and eval_int(size.group(1)), default)
+                                size and eval_int(size.group(1)), default, _const_rows(tb))
     return out
+
+
+def _const_rows(table_body: str) -> list[tuple[list[str], str, str]]:
+    if "const entries" not in table_body:
+        return []
+    entries, _ = block_after(table_body, table_body.index("const entries"))
+    rows = re.findall(r"\(([^()]*)\)\s*:\s*(\w+)\(([^()]*)\)\s*;", entries)
+    return [([p.strip() for p in keys.split(",")], action, args.strip())
+            for keys, action, args in rows]
 
 
 def eval_int(expr: str, names: dict[str, str] | None = None) -> int:
@@ -161,15 +172,6 @@ def eval_int(expr: str, names: dict[str, str] | None = None) -> int:
     if not re.fullmatch(r"[\dxXa-fA-F\s*+()<-]+", expr):
         raise ValueError(f"not a constant expression: {expr}")
     return int(eval(expr, {"__builtins__": {}}))   # literals and arithmetic only
-
-
-def const_rows(ctl: Control, table: str) -> list[tuple[list[str], str, str]]:
-    """A table's constant entries in priority order: (key patterns, action, arguments)."""
-    tb, _ = block_after(ctl.body, re.search(rf"\btable\s+{table}\s*\{{", ctl.body).end() - 1)
-    entries, _ = block_after(tb, tb.index("const entries"))
-    rows = re.findall(r"\(([^()]*)\)\s*:\s*(\w+)\(([^()]*)\)\s*;", entries)
-    return [([p.strip() for p in keys.split(",")], action, args.strip())
-            for keys, action, args in rows]
 
 
 def pattern_matches(value: int, pattern: str, names: dict[str, str] | None = None) -> bool:
@@ -184,12 +186,12 @@ def pattern_matches(value: int, pattern: str, names: dict[str, str] | None = Non
     return value == eval_int(pattern, names)
 
 
-def first_match(ctl: Control, table: str, inputs: dict[str, int],
+def first_match(table: Table, inputs: dict[str, int],
                 names: dict[str, str] | None = None) -> tuple[str, str] | None:
-    """(action, arguments) of the first constant entry matching `inputs` (bfrt key name
-    -> value), None where the default action runs."""
-    keys = [name for name, _ in ctl.tables[table].keys]
-    for patterns, action, args in const_rows(ctl, table):
+    """(action, arguments) of the table's first constant entry matching `inputs` (bfrt key
+    name -> value), None where the default action runs."""
+    keys = [name for name, _ in table.keys]
+    for patterns, action, args in table.entries:
         if all(pattern_matches(inputs[k], p, names) for k, p in zip(keys, patterns)):
             return action, args
     return None
