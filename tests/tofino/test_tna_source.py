@@ -469,10 +469,9 @@ def test_result_words_carry_every_value_and_the_lengths_say_num_values():
     agg = (ts.P4_DIR / "aggregation.p4").read_text()
     parser = (ts.P4_DIR / "parser.p4").read_text()
     text = ts.preprocess()
-    table, _ = ts.block_after(text, text.index("table result_words"))
-    entries, _ = ts.block_after(table, table.index("const entries"))
-    words = {int(eval(nv)): int(k) for nv, k in
-             re.findall(r"\(?([\d\s*+-]+?)\)?\s*:\s*words_(\d+)\(\)", entries)}
+    table = ts.program()["BuildAggReply"].tables["result_words"]
+    words = {ts.eval_int(nv): int(action.removeprefix("words_"))
+             for (nv,), action, _ in table.entries}
     assert sorted(words) == list(range(1, tp.TOFINO_MAX_VALUES + 1))
     for nv, k in words.items():
         assert k == -(-nv // 4), nv
