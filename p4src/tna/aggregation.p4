@@ -122,10 +122,6 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
         meta.already_seen = join_seen.execute(meta.copy_index);
     }
 
-    action behind_round() {
-        meta.obsolete = 1;
-    }
-
     action count_first() { start_left.execute(meta.copy_index); }
     action count_join() { meta.left_before = join_left.execute(meta.copy_index); }
     action count_read() { meta.left_before = read_left.execute(meta.copy_index); }
@@ -187,9 +183,7 @@ control SlotState(in headers_t hdr, inout ingress_metadata_t meta) {
             begin_round();
         } else if (meta.round_distance == 0) {
             join_round();
-        } else {
-            behind_round();
-        }
+        }                       /* else an older round: neither, a STRAGGLER (packet_outcome) */
         if (meta.fresh == 1) {
             count_first();
         } else if (meta.same_round == 1) {

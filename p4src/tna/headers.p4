@@ -194,7 +194,6 @@ struct ingress_metadata_t {
     bit<32>  round_distance;    /* packet round - copy round (before this packet) */
     bit<1>   fresh;             /* new round in this copy (protocol.md 4.2 step 1) */
     bit<1>   same_round;        /* r == copy round, copy not empty (step 3) */
-    bit<1>   obsolete;          /* older round: STRAGGLER (step 2) */
     bit<32>  already_seen;      /* seen bitmap & (1 << worker) before this packet */
     bit<8>   left_before;       /* contributions the copy still waited for before this packet */
     bit<3>   outcome;

@@ -39,7 +39,6 @@ parser IngressParser(packet_in pkt,
         meta.count_job = 0;
         meta.fresh = 0;
         meta.same_round = 0;
-        meta.obsolete = 0;
         meta.already_seen = 0;
         meta.left_before = 0;
         meta.outcome = OUTCOME_NONE;

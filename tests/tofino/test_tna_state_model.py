@@ -103,7 +103,7 @@ class TnaSlotModel:
         signed = distance - (1 << 32) if distance >> 31 else distance
         if was_occupied == 0 or signed > 0:
             self.reg["copy_round"][copy] = round_
-        fresh = same = obsolete = False
+        fresh = same = False
         already_seen = left_before = 0
         copy_round = 0
         if was_occupied == 0 or (distance != 0 and distance >> 31 == 0):
@@ -114,8 +114,7 @@ class TnaSlotModel:
             seen = self.get("copy_seen", copy)                       # join_seen
             already_seen = seen & wbit
             self.reg["copy_seen"][copy] = seen | wbit
-        else:
-            obsolete = True
+        else:                                                        # an older round
             copy_round = (round_ - distance) & M32
         if fresh:
             self.reg["copy_left"][copy] = target_left                # start_left
