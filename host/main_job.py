@@ -473,7 +473,8 @@ def report(args, runs, outs):
     (out_dir / "main_job.json").write_text(json.dumps(
         {"workers": args.workers, "steps": args.steps, "link_mbit": args.link_mbit,
          "hidden": args.hidden, "values_per_packet": args.values_per_packet,
-         "loss_bound": args.loss_bound, "aggregator": args.aggregator, "runs": summary, "time_to_accuracy": tta},
+         "loss_bound": args.loss_bound, "aggregator": args.aggregator, "runs": summary,
+         "time_to_accuracy": tta},
         indent=1))
     plot(summary, names, out_dir / "main_job.png")
     print(f"saved {out_dir / 'main_job.png'} and {out_dir / 'main_job.json'}")
