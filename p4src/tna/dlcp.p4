@@ -30,7 +30,6 @@ control DlcpClassify(inout headers_t hdr,
      * stages, with no gateway or assignment statement of their own, which the compiler
      * would otherwise place after the aggregation's stages. */
     action set_queue(bit<3> queue, bit<1> is_data) {
-        meta.queue = queue;
         meta.is_data = is_data;
         ig_tm_md.qid = (QueueId_t)queue;
         ig_tm_md.ingress_cos = queue;
@@ -51,7 +50,6 @@ control DlcpClassify(inout headers_t hdr,
     }
 
     action set_drop_reporting(bit<1> enabled) {
-        meta.report_drops = enabled;
         ig_tm_md.deflect_on_drop = enabled;
     }
 

@@ -205,9 +205,8 @@ struct ingress_metadata_t {
     bit<8>           next_hop_turn;
     next_hop_index_t next_hop_index;
     /* DLCP (dlcp.p4) */
-    bit<3>   queue;
-    bit<1>   is_data;
-    bit<1>   report_drops;      /* TM drops are deflected to the drop-report port and counted */
+    bit<1>   is_data;           /* data band: data_color's key (queue and deflection go
+                                 * straight to ig_tm_md and the bridged header) */
     /* counters (counters.p4): exactly one of the two is counted per packet */
     bit<1>   count_job;
     bit<16>  job_counter_index;
