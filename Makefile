@@ -13,7 +13,7 @@ DEB_PKGS    := libdpdk-dev dpdk pkg-config libpcap-dev build-essential mininet \
                iproute2 tcpdump ethtool clang libclang-rt-14-dev
 PYTEST_ARGS ?=
 # The main job: THC in-network training (N workers + the reference aggregator) vs fp32.
-MAIN_JOB    ?= host.main_job
+MAIN_JOB    ?= host.experiments.main_job
 
 .PHONY: setup sysdeps venv build run demo test bench clean p4 testbed
 
@@ -50,15 +50,15 @@ run: setup
 	$(PY) -m $(MAIN_JOB)
 
 demo: setup
-	$(PY) -m thc.demo
+	$(PY) -m host.experiments.codec_demo
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m thc.bench nmse
-	$(PY) -m thc.bench speed
-	$(PY) -m dataplane.bench_udp --json build/bench_udp.json --plot build/bench_udp.png
+	$(PY) -m host.experiments.codec_bench nmse
+	$(PY) -m host.experiments.codec_bench speed
+	$(PY) -m host.experiments.bench_udp --json build/bench_udp.json --plot build/bench_udp.png
 
 # BMv2 program (p4c is not packaged for Debian: build p4lang/p4c, see p4src/v1model/README.md).
 p4:
@@ -69,7 +69,7 @@ p4:
 
 # Mininet testbed (root): 3 workers through the best switch available here.
 testbed: setup
-	$(PY) -m host.testbed --hosts 3
+	$(PY) -m host.experiments.testbed --hosts 3
 
 clean:
 	rm -rf build $(VENV) *.egg-info

@@ -1,6 +1,6 @@
 """The reference switch model as a live bottleneck between two veth interfaces.
 
-Runs inside a network namespace (see host.dlcp.evaluate): frames are read from each
+Runs inside a network namespace (see host.experiments.dlcp.evaluate): frames are read from each
 interface with an AF_PACKET socket, handed to ``dataplane.reference.ReferenceSwitch``
 (IPv4 forwarding by route + the DLCP egress stage of docs/protocol.md §6: strict priority
 over 8 queues, selective drop of Not-ECT above K, CE marking of ECT, capacity drop) and

@@ -1,6 +1,6 @@
 /* Counter layout (protocol.md 4.5). The counter arrays are declared in SwitchIngress
  * (main.p4: job_counters, global_counters) and DlcpAdmission (dlcp.p4: dlcp_counters);
- * host/p4control.py reads the cells back under the protocol's names. */
+ * dataplane/bmv2/control.py reads the cells back under the protocol's names. */
 #ifndef _THC_INA_COUNTERS_P4_
 #define _THC_INA_COUNTERS_P4_
 

@@ -4,7 +4,7 @@ import socket
 import threading
 import time
 
-from host.adapcc.fault_training import CoordinatorClient, FaultCoordinator, run_job, summarize
+from host.experiments.adapcc.fault_training import CoordinatorClient, FaultCoordinator, run_job, summarize
 
 WORKERS, KILL_WORKER, KILL_STEP, STEPS, GLOBAL_BATCH = 4, 3, 10, 24, 96
 

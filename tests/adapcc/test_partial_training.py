@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import thc
-from host.adapcc.partial_training import InProcessAggregator, _thc_step, summarize, train
+from host.experiments.adapcc.partial_training import InProcessAggregator, _thc_step, summarize, train
 
 N, G = 6, 30
 

@@ -5,7 +5,7 @@ import pytest
 from host.adapcc import strategies as S
 from host.adapcc.costmodel import Strategy, SubCollective
 from host.adapcc.executor import behaviours, partitions
-from host.adapcc.gloo_check import run_all
+from host.experiments.adapcc.gloo_check import run_all
 from host.adapcc.profiler import PeriodicProfiler, _plan, fit_alpha_beta, round_schedule
 
 

@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from host.dlcp import evaluate
+from host.experiments.dlcp import evaluate
 
 
 def test_resnet50_layer_sizes_match_the_architecture():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from host.dlcp.marking import DlcpPolicy
-from host.dlcp.relay import LossyRelay, random_loss
+from host.netlab.relay import LossyRelay, random_loss
 from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, MSG_ANNOUNCE, MSG_END,
                                  WIRE_OVERHEAD, DlcpError, DlcpReceiver, DlcpSender, LossBounds,
                                  TensorToSend, apply_missing_policy, encode_segments, fin_threshold,

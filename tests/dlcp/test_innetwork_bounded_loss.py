@@ -17,7 +17,7 @@ import pytest
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
-from host.netem import LossyUdpRelay
+from host.netlab.netem import LossyUdpRelay
 from host.packets import HEADER_LEN, TYPE_DATA, TYPE_RESULT, decode_headers, header_types
 
 WORLD = 3

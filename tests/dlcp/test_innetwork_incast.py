@@ -20,9 +20,9 @@ import pytest
 
 import thc
 from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
-from host.dlcp.dpdk_bottleneck import (NetnsError, NetnsTestbed, in_netns,
+from host.netlab.dpdk_bottleneck import (NetnsError, NetnsTestbed, in_netns,
                                        live_switch_skip_reason)
-from host.dlcp.innetwork_incast import AGG_UDP_PORT, WORKER_UDP_PORT, disable_offloads
+from host.experiments.dlcp.innetwork_incast import AGG_UDP_PORT, WORKER_UDP_PORT, disable_offloads
 from host.dlcp.marking import DlcpPolicy, partition_importance
 
 SKIP_REASON = live_switch_skip_reason()

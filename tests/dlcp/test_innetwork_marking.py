@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import thc
-from host.dlcp.innetwork import drop_experiment, main_job_gradient, marks
+from host.experiments.dlcp.innetwork import drop_experiment, main_job_gradient, marks
 from host.dlcp.marking import (ECN_ECT0, ECN_NOT_ECT, DlcpPolicy, partition_importance,
                                partition_packet_ecn)
 

@@ -21,7 +21,7 @@ import pytest
 
 from dataplane.config import Dlcp, Route, SwitchConfig
 from dataplane.reference import ReferenceSwitch
-from host.dlcp.dpdk_bottleneck import (Capture, NetnsError, NetnsTestbed, PROBE_PORT, Probe,
+from host.netlab.dpdk_bottleneck import (Capture, NetnsError, NetnsTestbed, PROBE_PORT, Probe,
                                        live_switch_skip_reason, open_sender, send_probes)
 
 FLOW_DST = "10.77.50.7"

@@ -3,7 +3,7 @@ and every round it offers completes (a frame the switch drops would show here as
 missing result, not as a faster benchmark)."""
 import pytest
 
-from dataplane.bench_dpdk import bench_config, run_switch
+from host.experiments.bench_dpdk import bench_config, run_switch
 from dataplane.dpdk_config import write_config
 
 

@@ -233,7 +233,7 @@ def test_fragments_reach_the_switch_as_they_are(switch_bin, veths, host_socks):
 
 def test_idle_switch_leaves_the_cpu_alone(switch_bin, veths):
     """Issue 12.5: with no traffic the adaptive poll loop sleeps; the busy loop took a
-    whole core. (The <= 5% target is measured by dataplane.bench_dpdk; this machine is
+    whole core. (The <= 5% target is measured by host.experiments.bench_dpdk; this machine is
     shared, so the bound here is generous.)"""
     with LiveSwitch(streams.config(n_workers=2), af_packet_vdevs([sw for sw, _ in veths])) \
             as switch:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_main_job(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "host.main_job", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "host.experiments.main_job", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -50,7 +50,7 @@ def test_main_job_refuses_bad_options():
 
 def test_main_job_with_the_dpdk_switch(tmp_path):
     """--aggregator dpdk: the real DPDK switch behind a tap aggregates every step."""
-    from host.main_job import dpdk_unavailable
+    from host.experiments.main_job import dpdk_unavailable
     reason = dpdk_unavailable()
     if reason:
         pytest.skip(reason)
@@ -73,7 +73,7 @@ def test_main_job_with_the_dpdk_switch(tmp_path):
 def test_main_job_on_shaped_links_reports_time_to_accuracy(tmp_path):
     """--link-mbit: workers in network namespaces behind shaped links, the reference
     aggregator on the bridge; both runs, and each one's time to fp32's final accuracy."""
-    from host.netem import netns_available
+    from host.netlab.netem import netns_available
     reason = netns_available()
     if reason:
         pytest.skip(f"network namespaces: {reason}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from host.netem import NetnsTestbed, netns_available
+from host.netlab.netem import NetnsTestbed, netns_available
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = netns_available()
@@ -56,7 +56,7 @@ def test_benchmark_runs_modes_side_by_side(tmp_path):
     out = tmp_path / "bench.json"
     # 2 MB: the tbf bucket (500 KB at 1 Gbit/s) must hold well under half of the ring's
     # 2 MB per direction, or a fast run beats half the wire bound on the burst alone.
-    res = subprocess.run([sys.executable, "-m", "host.bench_allreduce", "--workers", "2",
+    res = subprocess.run([sys.executable, "-m", "host.experiments.bench_allreduce", "--workers", "2",
                           "--sizes-mb", "2", "--rates-mbit", "1000", "--reps", "1",
                           "--modes", "thc-agg,fp32-gloo",   # thc-gloo: test_host_allreduce
                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
@@ -77,7 +77,7 @@ def test_benchmark_dpdk_switch_column(tmp_path):
     if not SWITCH_BIN.is_file():
         pytest.skip(f"{SWITCH_BIN} is not built (make build)")
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, "-m", "host.bench_allreduce", "--workers", "2",
+    res = subprocess.run([sys.executable, "-m", "host.experiments.bench_allreduce", "--workers", "2",
                           "--sizes-mb", "0.25", "--rates-mbit", "1000", "--reps", "1",
                           "--modes", "thc-dpdk", "--json", str(out)], cwd=ROOT,
                          capture_output=True, text=True, timeout=400)

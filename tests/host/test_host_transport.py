@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import thc
-from host.netem import LossyUdpRelay
+from host.netlab.netem import LossyUdpRelay
 from host.packets import TYPE_DATA, TYPE_FLUSH, decode_headers, encode_results, header_types
 from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
                             RetransmitTimer, StragglerNotice, constant_policy,
@@ -423,7 +423,7 @@ def test_gso_sends_the_same_datagrams_in_fewer_calls(marks):
 def test_packets_larger_than_the_path_mtu_are_refused():
     """A network namespace whose loopback has a 1200-byte MTU: 1024-value RESULTs (1084
     bytes) fit, 2048-value ones would be fragmented, which no data plane reassembles."""
-    from host.netem import netns_available
+    from host.netlab.netem import netns_available
     reason = netns_available()
     if reason:
         pytest.skip(f"network namespaces: {reason}")

@@ -1,7 +1,7 @@
 """The v1model program through the real compiler, where p4c is on PATH.
 
 A real compile beats a structural check: p4c must accept p4src/v1model with no error, and
-every entry the controller plans (host.p4control.plan_switch) must fit the P4Info p4c
+every entry the controller plans (dataplane.bmv2.control.plan_switch) must fit the P4Info p4c
 writes: tables, match fields and widths, actions and their parameters, the counters the
 controller reads. Elsewhere the module skips with the reason (p4c is not packaged here).
 """
@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from dataplane.config import Job, Member, Route, SwitchConfig
-from host import p4control as pc
+from dataplane.bmv2 import control as pc
 
 pytestmark = pytest.mark.skipif(
     shutil.which("p4c") is None,

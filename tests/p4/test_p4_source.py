@@ -5,7 +5,7 @@ compiles with p4c where it is on PATH): every entry
 the controller plans names a table, key fields, action and parameters that exist in the
 program (with p4c's P4Info naming: control instance path + local name); each table is
 applied once per control; the AGG header matches HEADER_DTYPE; the counter cells and
-resource limits agree with host/p4control.py. Compiling and running on BMv2 is the
+resource limits agree with dataplane/bmv2/control.py. Compiling and running on BMv2 is the
 bmv2 packet-suite target (skipped here with its reason)."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import subprocess
 import pytest
 
 from dataplane.config import Job, Member, Route, SwitchConfig
-from host import p4control as pc
+from dataplane.bmv2 import control as pc
 from host.packets import HEADER_DTYPE
 
 P4_DIR = pc.P4_SOURCE.parent

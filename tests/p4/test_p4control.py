@@ -1,4 +1,4 @@
-"""host/p4control.py without a switch: the entries computed from a SwitchConfig, the
+"""dataplane/bmv2/control.py without a switch: the entries computed from a SwitchConfig, the
 refusals, the unreachable-switch error, and a lane-by-lane replay of the P4 data path
 (lookup entries -> packed 64-bit words -> lane-wise add -> RESULT bytes) against the
 reference aggregator."""
@@ -11,7 +11,7 @@ import pytest
 
 from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
 from dataplane.reference import GLOBAL_COUNTERS, JOB_COUNTERS, ReferenceSwitch
-from host import p4control as pc
+from dataplane.bmv2 import control as pc
 from host.packets import TYPE_RESULT, encode_data, parse_frame, wrap_frames
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)

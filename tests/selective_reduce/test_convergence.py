@@ -1,7 +1,7 @@
 """Convergence harness (extension): models average on syncs and training makes progress."""
 import numpy as np
 
-from host.selective_reduce.convergence import Trainer, run
+from host.experiments.selective_reduce.convergence import Trainer, run
 from host.selective_reduce.policies import SelectiveReduce
 from host.selective_reduce.simulator import SimConfig, Simulation
 

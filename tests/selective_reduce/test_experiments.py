@@ -1,7 +1,7 @@
 """Experiment driver smoke test: tiny sweep, JSON-able results and plots written."""
 import json
 
-from host.selective_reduce import experiments
+from host.experiments.selective_reduce import study as experiments
 from host.selective_reduce.simulator import SimConfig
 
 

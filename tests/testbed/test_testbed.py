@@ -7,10 +7,10 @@ import subprocess
 
 import pytest
 
-import host.testbed as tb
-from host.testbed import __main__ as cli
-from host.testbed import make_config, run_testbed, switch_available
-from host.testbed.mininet_loader import MininetMissing, load_mininet
+import host.netlab.testbed as tb
+from host.netlab.testbed import __main__ as cli
+from host.netlab.testbed import make_config, run_testbed, switch_available
+from host.netlab.testbed.mininet_loader import MininetMissing, load_mininet
 
 pytestmark = pytest.mark.netns
 
@@ -164,7 +164,7 @@ def test_cli_help_runs(capsys):
 def test_sigterm_mid_run_tears_down(tmp_path):
     import sys
     import time
-    proc = subprocess.Popen([sys.executable, "-m", "host.testbed", "--switch", "reference",
+    proc = subprocess.Popen([sys.executable, "-m", "host.netlab.testbed", "--switch", "reference",
                              "--hosts", "2", "--bw", "0", "--command", "sleep 60",
                              "--workdir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from thc import bench, demo
+from host.experiments import codec_bench as bench, codec_demo as demo
 
 
 def test_demo_trains_with_compressed_gradients(capsys):

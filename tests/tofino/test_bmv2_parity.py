@@ -1,4 +1,4 @@
-"""One job description, two P4 control planes: host.p4control (BMv2) and
+"""One job description, two P4 control planes: dataplane.bmv2.control (BMv2) and
 bfrt_scripts.tofino_plan (Tofino) must install the same job layout, membership, lookup
 table contents, multicast members, member addresses, DLCP map and routes.
 
@@ -12,7 +12,7 @@ import pytest
 
 from bfrt_scripts import tofino_plan as tp
 from dataplane.config import Job, Member, Route, SwitchConfig
-from host import p4control as pc
+from dataplane.bmv2 import control as pc
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 # BMv2 P4Info match-field names -> the Tofino program's bfrt key names

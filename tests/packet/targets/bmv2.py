@@ -4,8 +4,8 @@ Set-up per start(): compile the P4 with p4c when the BMv2 JSON is missing or old
 the sources, create one veth pair per switch port (the switch end `tb<pid>s<port>` in
 the root namespace, the test end in a private network namespace so nothing else talks
 on it), start `simple_switch_grpc` (8 priority queues) on the switch ends
-(host.bmv2_switch: a switch that exits fails the start with its log), load the
-pipeline and install the config with host.p4control, then inject and capture with raw
+(dataplane.bmv2.switch: a switch that exits fails the start with its log), load the
+pipeline and install the config with dataplane.bmv2.control, then inject and capture with raw
 AF_PACKET sockets opened inside the namespace.
 
 Paused ports (rate 0) are emulated with BMv2's rate limiter, whose rules are these
@@ -31,8 +31,8 @@ import subprocess
 import time
 
 from dataplane.config import SwitchConfig
-from host.bmv2_switch import Bmv2Switch, compile_program, program_stale
-from host.p4control import (BMV2_MAX_VALUES, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
+from dataplane.bmv2.switch import Bmv2Switch, compile_program, program_stale
+from dataplane.bmv2.control import (BMV2_MAX_VALUES, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
                             P4Controller, plan_switch)
 
 from .base import Target

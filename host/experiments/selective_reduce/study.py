@@ -1,6 +1,6 @@
 """Experiment driver: selective vs partial vs all-reduce, the n sweep and the parameter sweeps.
 
-    python -m host.selective_reduce.experiments --json results.json [--seeds 20] [--plots docs/img]
+    python -m host.experiments.selective_reduce.study --json results.json [--seeds 20] [--plots docs/img]
         [--quick]
 
 Each point runs every scheme on the same seeds (same bandwidths and compute draws per seed) and
@@ -16,8 +16,9 @@ from dataclasses import replace
 import numpy as np
 from tqdm import tqdm
 
-from .policies import POLICIES
-from .simulator import SimConfig, Simulation
+from host.selective_reduce.policies import POLICIES
+from host.selective_reduce.simulator import SimConfig, Simulation
+from host.experiments.common import save_figure
 
 METRICS = ("avg_sync_time", "avg_sync_time_with_wait", "avg_scale", "total_syncs",
            "total_iterations", "wasted_wait_per_worker")
@@ -123,7 +124,6 @@ def plot(results: dict, outdir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from host.plots import save_figure
 
     os.makedirs(outdir, exist_ok=True)
     written = []

@@ -1,6 +1,6 @@
 """The testbed's default worker: one allreduce of random THC indices, checked against numpy.
 
-    python -m host.testbed.worker --config job.json --job 1 --worker 0 \
+    python -m host.experiments.testbed.worker --config job.json --job 1 --worker 0 \
         --aggregator 10.0.0.254:50000 --values 4096 --values-per-packet 64 --seed 7
 
 Every worker draws the indices of ALL members from the shared seed, sends its own
@@ -123,7 +123,7 @@ def run_worker(config: SwitchConfig, job_id: int, worker: int, aggregator: tuple
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m host.testbed.worker", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.testbed.worker", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--job", type=int, required=True)

@@ -1,6 +1,6 @@
 """AdapCC experiments: synthesizer vs hand-built strategies, coordinator vs fixed policies.
 
-    python -m host.adapcc.experiments --json results.json [--plots docs/img] [--trials 2000]
+    python -m host.experiments.adapcc.study --json results.json [--plots docs/img] [--trials 2000]
 
 1. Synthesis on heterogeneous bandwidth matrices (modelled time, Eqs. 1-6): ring, binary tree,
    star, par-trees and (small graphs) the MILP.  Every hand-built strategy gets its best chunk count.
@@ -18,10 +18,11 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from . import strategies as S
-from .coordinator import Coordinator, SkiRentalCostModel, offline_optimum
-from .costmodel import Network, evaluate, make_cluster
-from .synthesizer import CHUNK_COUNTS, Synthesizer, optimize
+from host.adapcc import strategies as S
+from host.adapcc.coordinator import Coordinator, SkiRentalCostModel, offline_optimum
+from host.adapcc.costmodel import Network, evaluate, make_cluster
+from host.adapcc.synthesizer import CHUNK_COUNTS, Synthesizer, optimize
+from host.experiments.common import save_figure
 
 MB = 1e6
 
@@ -163,7 +164,6 @@ def plot(results: dict, outdir: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from host.plots import save_figure
 
     os.makedirs(outdir, exist_ok=True)
     written = []

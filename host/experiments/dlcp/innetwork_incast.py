@@ -1,8 +1,8 @@
 """THC incast through the DPDK switch's DLCP queues: the main job trained with and without DLCP.
 
-    sudo python -m host.dlcp.innetwork incast --json out/dlcp_incast.json
+    sudo python -m host.experiments.dlcp.innetwork incast --json out/dlcp_incast.json
 
-Testbed (host.dlcp.dpdk_bottleneck.NetnsTestbed): 4 worker namespaces and one aggregator
+Testbed (host.netlab.dpdk_bottleneck.NetnsTestbed): 4 worker namespaces and one aggregator
 namespace, each on a veth pair whose root end is a port of the DPDK switch (routing the
 hosts' /24s through its DLCP egress stage, docs/protocol.md §6). The reference aggregator
 (dataplane.udp_service) serves the job in the aggregator namespace on a UDP port outside
@@ -12,7 +12,7 @@ them: all four workers' DATA packets meet at the aggregator's port, served at
 the norm and agreement exchanges) runs over the same switch, best effort, on ports that
 are not rate limited.
 
-Runs, each training the main job's MLP (host.main_job's model and data) for `--steps`:
+Runs, each training the main job's MLP (host.experiments.main_job's model and data) for `--steps`:
 * "dlcp": DlcpPolicy marks (band per DDP bucket, ECT per RHT partition by norm) and
   bounded loss p = --loss-bound;
 * "off": every packet best effort (DSCP 0, Not-ECT: only buffer drops), exact (p = 0),
@@ -30,6 +30,7 @@ import time
 import traceback
 
 import numpy as np
+from host.experiments.common import load_digits_split, make_model
 
 AGG_UDP_PORT = 47100           # outside 50000-50015: the switch routes it, does not add it
 WORKER_UDP_PORT = 47200
@@ -45,8 +46,7 @@ def _worker(rank, cfg, queue):
 
     import thc
     from host.ddp_hook import thc_hook, thc_hook_state
-    from host.main_job import load_digits_split, make_model
-    from host.shaped_links import enter_netns
+    from host.netlab.shaped_links import enter_netns
     from host.transport import default_policy
     torch.set_num_threads(1)
     numba.set_num_threads(1)
@@ -111,7 +111,7 @@ def run_mode(mode: str, args) -> dict:
     from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
     from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
     from dataplane.udp_service import serve
-    from host.dlcp.dpdk_bottleneck import NetnsTestbed, in_netns
+    from host.netlab.dpdk_bottleneck import NetnsTestbed, in_netns
     world = args.workers
     with NetnsTestbed(num_senders=world, tag=f"ic{os.getpid() % 10000}") as tb:
         disable_offloads(tb)
@@ -214,7 +214,7 @@ def add_arguments(ap) -> None:
 
 
 def run(args) -> dict:
-    from host.dlcp.dpdk_bottleneck import live_switch_skip_reason
+    from host.netlab.dpdk_bottleneck import live_switch_skip_reason
     why = live_switch_skip_reason()
     if why:
         raise SystemExit(f"cannot run the incast evaluation: {why}")

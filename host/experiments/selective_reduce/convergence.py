@@ -8,7 +8,7 @@ average is taken of the models at launch and installed at the sync's end (models
 change while syncing: workers are idle then).  Reported: simulated time, syncs and iterations
 until a group's averaged model first reaches the target test accuracy.
 
-    python -m host.selective_reduce.convergence [--n 20] [--seeds 3] [--target 0.9]
+    python -m host.experiments.selective_reduce.convergence [--n 20] [--seeds 3] [--target 0.9]
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .policies import POLICIES
-from .simulator import SimConfig, Simulation
+from host.selective_reduce.policies import POLICIES
+from host.selective_reduce.simulator import SimConfig, Simulation
 
 
 def load_digits_split(seed: int = 0):

@@ -15,7 +15,7 @@ Two halves:
 Installing is idempotent: every entry is inserted, and an entry that already exists is
 modified to the planned value, so running it twice leaves the same state.
 
-    python -m host.p4control --config job.json --grpc 127.0.0.1:9559 \
+    python -m dataplane.bmv2.control --config job.json --grpc 127.0.0.1:9559 \
         --p4info build/p4/main.p4info.txtpb --bmv2-json build/p4/main.json
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ JOB_COUNTER_STRIDE = 16
 BMV2_MAX_ROUTES = 1024         # MAX_ROUTES in forwarding.p4
 BMV2_NEXT_HOP_SLOTS = 8192     # MAX_NEXT_HOP_SLOTS in forwarding.p4
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 P4_SOURCE = REPO_ROOT / "p4src" / "v1model" / "main.p4"
 BUILD_DIR = REPO_ROOT / "build" / "p4"
 DEFAULT_BMV2_JSON = BUILD_DIR / "main.json"
@@ -439,7 +439,7 @@ class P4Controller:
 
 # --------------------------------------------------------------------------- CLI
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m host.p4control", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dataplane.bmv2.control", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="SwitchConfig JSON (dataplane/config.py)")
     ap.add_argument("--grpc", default="127.0.0.1:9559", help="simple_switch_grpc address")

@@ -1,6 +1,6 @@
 """End-to-end check of profiler + synthesizer + executor on real gloo processes (loopback).
 
-``python -m host.adapcc.gloo_check [--world 4] [--json FILE]`` spawns the ranks, profiles the links,
+``python -m host.experiments.adapcc.gloo_check [--world 4] [--json FILE]`` spawns the ranks, profiles the links,
 synthesizes a strategy at rank 0, runs Reduce / Broadcast / AllReduce / two-phase AllReduce and a
 mid-run strategy switch, and prints what each rank saw.  The tests call ``run_all``.
 """
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import strategies
-from .executor import TreeExecutor, allreduce_two_phase
-from .profiler import PeriodicProfiler, profile_links
-from .synthesizer import Synthesizer
+from host.adapcc import strategies
+from host.adapcc.executor import TreeExecutor, allreduce_two_phase
+from host.adapcc.profiler import PeriodicProfiler, profile_links
+from host.adapcc.synthesizer import Synthesizer
 
 NUMEL = 1001          # deliberately not divisible by chunk counts or M
 

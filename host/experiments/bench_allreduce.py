@@ -1,10 +1,10 @@
 """Allreduce time vs tensor size on emulated links (root: network namespaces).
 
-    sudo python -m host.bench_allreduce                      # 4 workers, 1 and 10 Gbit/s
-    python -m host.bench_allreduce --sizes-mb 1,4,16 --json out/bench_allreduce.json
+    sudo python -m host.experiments.bench_allreduce                      # 4 workers, 1 and 10 Gbit/s
+    python -m host.experiments.bench_allreduce --sizes-mb 1,4,16 --json out/bench_allreduce.json
 
 Each worker lives in its own network namespace, linked to a bridge by a veth pair shaped to
-the link rate in both directions (host.netem.NetnsTestbed). Side by side in one run:
+the link rate in both directions (host.netlab.netem.NetnsTestbed). Side by side in one run:
   thc-agg    THC through the reference aggregator, which sits on the bridge (in the switch
              namespace), so its traffic crosses only the workers' links: in-network
              aggregation, 4 bits up and 8 bits down per value;
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from host.allreduce import DEFAULT_PIPELINE_VALUES
-from host.shaped_links import (AGG_PORT, GLOO_PORT, WORKER_UDP_PORT, job_config, python_env,
+from host.netlab.shaped_links import (AGG_PORT, GLOO_PORT, WORKER_UDP_PORT, job_config, python_env,
                                start_dpdk, start_reference, stop)
 
 MODES = ("thc-agg", "thc-dpdk", "thc-gloo", "fp32-gloo")
@@ -170,7 +170,7 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
     master = tb.control_ip(0) if ports else tb.host_ip(0)
     procs = []
     for w in range(n):
-        argv = [sys.executable, "-m", "host.bench_allreduce", "--worker", "--rank", str(w),
+        argv = [sys.executable, "-m", "host.experiments.bench_allreduce", "--worker", "--rank", str(w),
                 "--world", str(n), "--master", f"{master}:{GLOO_PORT}", "--mode", mode,
                 "--ip", tb.host_ip(w), "--aggregator", f"{tb.switch_ip}:{AGG_PORT}",
                 "--sizes-mb", ",".join(str(s) for s in args.sizes_mb), "--reps", str(args.reps),
@@ -217,7 +217,7 @@ def _rows(times, mode, rate, tb, args) -> list[dict]:
 def run_benchmark(args) -> list[dict]:
     from tqdm import tqdm
 
-    from host.netem import NetnsTestbed
+    from host.netlab.netem import NetnsTestbed
     rows = []
     mtu = link_mtu(args.values_per_packet)
     bridged = [m for m in args.modes if m != "thc-dpdk"]
@@ -285,7 +285,7 @@ def _print_rows(rows, time_key, bound_key) -> None:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m host.bench_allreduce",
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.bench_allreduce",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-mb", default="1,4,16",
                     help="tensor sizes in MiB (the full study goes to 256; default keeps the "
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from host.netem import netns_available
+    from host.netlab.netem import netns_available
     reason = netns_available()
     if reason:
         print(f"bench_allreduce: {reason}", file=sys.stderr)

@@ -3,7 +3,7 @@
 The switch is, by preference (`--switch auto`):
 
 * `bmv2`: simple_switch_grpc running p4src/v1model on the switch's interfaces,
-  configured through host.p4control (needs simple_switch_grpc and a compiled JSON);
+  configured through dataplane.bmv2.control (needs simple_switch_grpc and a compiled JSON);
 * `dpdk`: dataplane/dpdk/build/thc_switch with one net_af_packet port per interface;
 * `reference`: the reference aggregator as a UDP service (`dataplane.udp_service`)
   on an aggregator host behind a plain Linux bridge (always possible).
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from dataplane.config import ConfigError, Job, Member, SwitchConfig
 
-from .mininet_loader import load_mininet
+from host.netlab.testbed.mininet_loader import load_mininet
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SWITCH_KINDS = ("bmv2", "dpdk", "reference")
 AGG_UDP_PORT = 50000
 WORKER_UDP_BASE = 40000
@@ -71,7 +71,7 @@ def switch_available(kind: str) -> tuple[bool, str]:
     if kind == "bmv2":
         if shutil.which("simple_switch_grpc") is None:
             return False, "simple_switch_grpc is not on PATH"
-        from host.p4control import DEFAULT_BMV2_JSON
+        from dataplane.bmv2.control import DEFAULT_BMV2_JSON
         if not DEFAULT_BMV2_JSON.is_file() and shutil.which("p4c") is None:
             return False, f"{DEFAULT_BMV2_JSON} missing and p4c not on PATH"
         return True, "BMv2 simple_switch_grpc"
@@ -265,8 +265,8 @@ class Testbed:
                 raise TestbedError("thc_switch exited at start: see "
                                    f"{self.workdir / 'dpdk_switch.log'}")
         else:
-            from host.bmv2_switch import Bmv2StartError, Bmv2Switch, compile_program
-            from host.p4control import DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4Controller
+            from dataplane.bmv2.switch import Bmv2StartError, Bmv2Switch, compile_program
+            from dataplane.bmv2.control import DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4Controller
             compile_program()
             # A free gRPC port: gRPC servers share a port (SO_REUSEPORT), so a fixed one
             # could reach a stale switch instead of this one.
@@ -289,7 +289,7 @@ class Testbed:
 
     # -- run --
     def worker_command(self, member: Member) -> list[str]:
-        """Default: host.testbed.worker. A custom --command may use {worker}, {ip},
+        """Default: host.netlab.testbed.worker. A custom --command may use {worker}, {ip},
         {config}, {aggregator}, {job}, {values}, {seed} placeholders."""
         aggregator = f"{self.config.ip}:{AGG_UDP_PORT}"
         if self.opts.command:
@@ -298,7 +298,7 @@ class Testbed:
                                             job=JOB_ID, values=self.opts.values,
                                             seed=self.opts.seed)
             return ["bash", "-c", text]
-        return [sys.executable, "-m", "host.testbed.worker", "--config", str(self.config_path),
+        return [sys.executable, "-m", "host.netlab.testbed.worker", "--config", str(self.config_path),
                 "--job", str(JOB_ID), "--worker", str(member.worker), "--aggregator",
                 aggregator, "--values", str(self.opts.values), "--values-per-packet",
                 str(self.opts.values_per_packet), "--seed", str(self.opts.seed),

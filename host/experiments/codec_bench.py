@@ -1,7 +1,7 @@
 """THC codec benchmarks.
 
-    python -m thc.bench nmse  [--json F] [--plot P] [--log2d 16] [--reps 3]
-    python -m thc.bench speed [--json F] [--log2d 24] [--reps 5]
+    python -m host.experiments.codec_bench nmse  [--json F] [--plot P] [--log2d 16] [--reps 3]
+    python -m host.experiments.codec_bench speed [--json F] [--log2d 24] [--reps 5]
 
 nmse reproduces the digest's §8.2 numbers (single worker, identical copies, bit sweep,
 baselines) next to the analytic/expected values, and saves a plot. speed measures compress
@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from . import baselines as B
-from . import rng
-from .codec import THCCodec
-from .tables import expected_nmse, optimal_table
+from thc import baselines as B
+from thc import rng
+from thc.codec import THCCodec
+from thc.tables import expected_nmse, optimal_table
 
 DIGEST_SWEEP = {(2, 3): 0.081, (2, 8): 0.063, (3, 7): 0.0149, (3, 10): 0.0122, (3, 20): 0.0105,
                 (4, 15): 0.0034, (4, 20): 0.0024, (4, 30): 0.0026, (4, 51): 0.0023}
@@ -200,7 +200,7 @@ def _median_time(fn, reps, sync=None):
 def run_speed(log2d=24, reps=5):
     import torch
 
-    from .torch_reference import TorchTHC
+    from thc.torch_reference import TorchTHC
     d = 1 << log2d
     gbytes = 4 * d / 1e9
     rs = np.random.default_rng(0)
@@ -279,7 +279,7 @@ def _paired_times(fns, reps, setup=None):
 
 
 def _aligned(n):
-    from .cpu_kernels import aligned_empty
+    from thc.cpu_kernels import aligned_empty
     return aligned_empty(n)
 
 
@@ -329,7 +329,7 @@ def _speed_error_feedback(codec, x, reps):
     domain, as host/allreduce.py runs it. 'before exchange' is the work that must finish
     before the max-norm exchange can start; the gradient domain's RHT then runs during
     the exchange, the rotated domain has nothing left to overlap it with."""
-    from .codec import ErrorFeedback
+    from thc.codec import ErrorFeedback
     d = len(x)
     grad_ef, rot_ef = ErrorFeedback(), ErrorFeedback(rotated=True)
     state = {}
@@ -408,7 +408,7 @@ def _speed_cuda(codec, ref, x, norms, reps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m thc.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m host.experiments.codec_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     p_nmse = sub.add_parser("nmse", help="accuracy against the digest's values")

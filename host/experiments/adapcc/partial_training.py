@@ -1,8 +1,8 @@
 """Training effect of partial aggregation: accuracy vs the fraction of workers waited for.
 
-    python -m host.adapcc.partial_training --json out/partial_training.json
+    python -m host.experiments.adapcc.partial_training --json out/partial_training.json
 
-The main job's model (host.main_job: the MLP on scikit-learn digits, THC codec with RHT
+The main job's model (host.experiments.main_job: the MLP on scikit-learn digits, THC codec with RHT
 partitions of 2^14) trained by n simulated workers in one process. Every step each worker
 computes its gradient on its own shard; its compute time is drawn from a heavy-tailed
 distribution (lognormal body, Pareto tail), which fixes the order in which the workers'
@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from host.experiments.common import load_digits_split, make_model
+from host.ddp_hook import INNETWORK_PARTITION_SIZE
 
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.5)
-PARTITION_SIZE = 1 << 14        # host.main_job.PARTITION_SIZE (imported lazily would pull torch)
 
 
 class InProcessAggregator:
@@ -114,7 +115,6 @@ def train(fraction: float | None, seed: int, *, workers: int, steps: int, hidden
     import torch.nn.functional as F
 
     import thc
-    from host.main_job import load_digits_split, make_model
     torch.manual_seed(seed)
     model = make_model(hidden)
     params = list(model.parameters())
@@ -125,7 +125,7 @@ def train(fraction: float | None, seed: int, *, workers: int, steps: int, hidden
     xtr_t, ytr_t = torch.from_numpy(xtr), torch.from_numpy(ytr)
     xte_t, yte_t = torch.from_numpy(xte), torch.from_numpy(yte)
     d = sum(p.numel() for p in params)
-    codec = thc.THCCodec(granularity=granularity, seed=seed, partition_size=PARTITION_SIZE)
+    codec = thc.THCCodec(granularity=granularity, seed=seed, partition_size=INNETWORK_PARTITION_SIZE)
     padded = codec.padded_length(d)
     k = workers if fraction is None else max(1, int(round(fraction * workers)))
     agg = InProcessAggregator(workers, -(-padded // 1024), codec.table)
@@ -253,7 +253,7 @@ def plot(runs: list[dict], rows: list[dict], path: Path, fractions=FRACTIONS) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m host.adapcc.partial_training",
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.partial_training",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=10)
     ap.add_argument("--granularity", type=int, default=25,

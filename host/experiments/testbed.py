@@ -1,4 +1,4 @@
-"""python -m host.testbed: build the Mininet testbed, run a command on every host, report.
+"""python -m host.experiments.testbed: build the Mininet testbed, run a command on every host, report.
 
 Exit status 0 when every host reported success. `--json FILE` writes the per-host results
 and the aggregator's counters; `--plot FILE` a bar chart of the per-host times.
@@ -12,12 +12,12 @@ import sys
 
 from tqdm import tqdm
 
-from .network import (SWITCH_KINDS, TestbedError, TestbedOptions, cleanup_leftovers,
+from host.netlab.testbed.network import (SWITCH_KINDS, TestbedError, TestbedOptions, cleanup_leftovers,
                       run_testbed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m host.testbed", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.testbed", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hosts", type=int, default=3, help="worker hosts (default %(default)s)")
     ap.add_argument("--switch", default="auto", choices=("auto",) + SWITCH_KINDS,

@@ -1,8 +1,8 @@
 """End to end with a dead worker: training continues without it after the fault timeout.
 
-    python -m host.adapcc.fault_training --workers 4 --kill-worker 3 --kill-step 15
+    python -m host.experiments.adapcc.fault_training --workers 4 --kill-worker 3 --kill-step 15
 
-N worker processes (torch.multiprocessing) train the main job's MLP (host.main_job) with THC
+N worker processes (torch.multiprocessing) train the main job's MLP (host.experiments.main_job) with THC
 through the reference UDP aggregator on loopback. One worker SIGKILLs itself at the start of
 ``kill_step``. The coordinator (this process) applies AdapCC's faulty-worker rule
 (host.adapcc.coordinator.faulty_workers): once the other workers are ready, a worker still not
@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from host.adapcc.coordinator import faulty_workers, redistribute_batch
+from host.experiments.common import load_digits_split, make_model
+from host.ddp_hook import INNETWORK_PARTITION_SIZE
 
-PARTITION_SIZE = 1 << 14        # as host.main_job
 
 
 # --------------------------------------------------------------------------- coordinator
@@ -190,7 +191,6 @@ def worker_main(rank: int, cfg: dict, results) -> None:
 
     import thc
     from host.adapcc.partial_aggregation import bitmap
-    from host.main_job import load_digits_split, make_model
     from host.transport import AggregatorTransport
 
     torch.set_num_threads(1)
@@ -205,7 +205,7 @@ def worker_main(rank: int, cfg: dict, results) -> None:
         for p in params:                                 # start-up: the only gloo traffic
             dist.broadcast(p.data, src=0)
         opt = torch.optim.SGD(params, lr=cfg["lr"], momentum=0.9)
-        codec = thc.THCCodec(seed=cfg["seed"], partition_size=PARTITION_SIZE)
+        codec = thc.THCCodec(seed=cfg["seed"], partition_size=INNETWORK_PARTITION_SIZE)
         feedback = thc.ErrorFeedback()
         transport = AggregatorTransport(cfg["aggregator"], job=cfg["job"], worker=rank,
                                         expected=(1 << n) - 1, pool_size=cfg["pool_size"],
@@ -354,7 +354,7 @@ def summarize(run: dict, kill_step: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m host.adapcc.fault_training",
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.fault_training",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--kill-worker", type=int, default=3)

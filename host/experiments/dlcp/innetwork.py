@@ -1,9 +1,9 @@
 """DLCP on the in-network THC path: do the importance marks mean something?
 
-    python -m host.dlcp.innetwork                      # all three studies, a table each
-    python -m host.dlcp.innetwork --json out/dlcp_innetwork.json --plot docs/img/x.png
+    python -m host.experiments.dlcp.innetwork                      # all three studies, a table each
+    python -m host.experiments.dlcp.innetwork --json out/dlcp_innetwork.json --plot docs/img/x.png
 
-On real gradients of the main job's model (host.main_job: the digits MLP, 4 workers each
+On real gradients of the main job's model (host.experiments.main_job: the digits MLP, 4 workers each
 on its own shard), with THC as the in-network path codes them:
 
 * marks: what fraction of the RHT partitions (and of the gradient's energy) the
@@ -32,6 +32,7 @@ import numpy as np
 import thc
 from host.dlcp.marking import (ECN_NOT_ECT, importance_ecn, partition_importance,
                                partition_packet_ecn)
+from host.experiments.common import load_digits_split, make_model
 
 WORKERS = 4
 VALUES_PER_PACKET = 1024
@@ -43,7 +44,6 @@ PARTITION_SIZE = 1 << 12
 def _model_and_data(hidden: int, seed: int):
     import torch
 
-    from host.main_job import load_digits_split, make_model
     torch.manual_seed(seed)
     model = make_model(hidden)
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
@@ -291,7 +291,7 @@ def plot(result, path) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m host.dlcp.innetwork",
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.dlcp.innetwork",
                                  description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="study")
     codec_ap = sub.add_parser("codec", help="marks, drops, training, partition cost (default)")
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
     codec_ap.add_argument("--steps", type=int, default=60)
     codec_ap.add_argument("--trials", type=int, default=20)
     incast_ap = sub.add_parser("incast", help="THC incast through the DPDK switch (root)")
-    from host.dlcp import innetwork_incast
+    from host.experiments.dlcp import innetwork_incast
     innetwork_incast.add_arguments(incast_ap)
     for a in (codec_ap, incast_ap):
         a.add_argument("--json", help="write the results here")

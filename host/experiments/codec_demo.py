@@ -5,7 +5,7 @@ the "aggregator" maps the indices through the table and adds them in 8-bit lanes
 worker decodes the sum once. Prints NMSE against the exact mean, bits on the wire, stage
 times and the model's accuracy next to the same training run without compression.
 
-    python -m thc.demo [--workers 4] [--rounds 40] [--granularity 30] [--p 0.03125]
+    python -m host.experiments.codec_demo [--workers 4] [--rounds 40] [--granularity 30] [--p 0.03125]
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import ErrorFeedback, THCCodec
-from .baselines import nmse
+from thc import ErrorFeedback, THCCodec
+from thc.baselines import nmse
 
 
 def load_data(seed: int):
@@ -92,7 +92,7 @@ def thc_round(codec, ef, grads, round, timer):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m thc.demo", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m host.experiments.codec_demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=40)

@@ -283,7 +283,7 @@ class NetnsTestbed:
             raise NetemUnavailable(
                 "this kernel has no netem qdisc (sch_netem), so delay/loss cannot be emulated "
                 "in a namespace; pass delay_ms=0, loss=0 (rate via tbf) and use "
-                "host.netem.LossyUdpRelay for loss")
+                "host.netlab.netem.LossyUdpRelay for loss")
         # tbf: a token bucket at the link rate; burst >= one jiffy of traffic at that rate.
         rate_bytes = self.rate_mbit * 1e6 / 8
         burst = int(max(rate_bytes / 250, 64 * 1024))

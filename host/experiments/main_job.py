@@ -1,7 +1,7 @@
 """The main job: data-parallel training with THC in-network aggregation, next to plain fp32.
 
-    python -m host.main_job                       # 4 workers, reference aggregator, THC vs fp32
-    python -m host.main_job --workers 2 --steps 100 --compressor thc-allreduce
+    python -m host.experiments.main_job                       # 4 workers, reference aggregator, THC vs fp32
+    python -m host.experiments.main_job --workers 2 --steps 100 --compressor thc-allreduce
 
 N worker processes (torch.multiprocessing, gloo process group) train the same MLP on
 scikit-learn's digits (bundled with the package, no download), each on its own shard. Each
@@ -13,19 +13,19 @@ frames; its
 final counters go to OUT_DIR/main_job_dpdk_stats.json); HOST:PORT uses an aggregator that is
 already running with this job's description:
 
-    python -m host.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000 --write-job-config
+    python -m host.experiments.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000 --write-job-config
     python -m dataplane.udp_service --config out/main_job_switch.json &
-    python -m host.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000
+    python -m host.experiments.main_job --aggregator 127.0.0.1:50000 --worker-port-base 41000
 
 With --link-mbit R the workers sit in network namespaces behind links shaped to R Mbit/s
-both ways (host.netem.NetnsTestbed, as host.bench_allreduce builds them; root): fp32 and
+both ways (host.netlab.netem.NetnsTestbed, as host.experiments.bench_allreduce builds them; root): fp32 and
 THC over gloo cross the shaped links through a bridge; --aggregator reference serves the
 job from the bridge (in-network: its traffic crosses only the workers' links); --aggregator
 dpdk puts the DPDK switch on the links' switch ends, and the process group's few control
 bytes (norm exchange, barriers) go over a separate unshaped network. A model whose fp32
 exchange is bound by a 1 Gbit/s link:
 
-    sudo python -m host.main_job --link-mbit 1000 --hidden 2048 --aggregator dpdk
+    sudo python -m host.experiments.main_job --link-mbit 1000 --hidden 2048 --aggregator dpdk
 
 Printed: final test accuracy, bytes sent per worker per step, time per step of both runs,
 and the training time each run needed to reach fp32's final test accuracy (wall clock of
@@ -41,30 +41,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from host.experiments.common import load_digits_split, make_model
+from host.ddp_hook import INNETWORK_PARTITION_SIZE
 
 COMPRESSORS = ("thc", "thc-allreduce", "none")
 IP_UDP_OVERHEAD = 28           # IPv4 + UDP header bytes per datagram on the wire
-PARTITION_SIZE = 1 << 14       # RHT partition: the model's ~86k floats pad to 86016, not 2^17
-
-
-# --------------------------------------------------------------------------- data, model
-
-def load_digits_split(seed: int = 0):
-    """Standardized digits (1797 x 64, 10 classes): 80 % train, 20 % test."""
-    import numpy as np
-    from sklearn.datasets import load_digits
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order].astype(np.float32), y[order].astype(np.int64)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    cut = int(0.8 * len(x))
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
-
-
-def make_model(hidden: int):
-    import torch.nn as nn
-    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                         nn.Linear(hidden, 10))
 
 
 # --------------------------------------------------------------------------- one worker
@@ -153,7 +134,7 @@ def worker_main(rank, world, cfg, results):
     try:
         if cfg.get("netns"):
             # On shaped links: this worker's namespace, before any socket or thread exists.
-            from host.shaped_links import enter_netns
+            from host.netlab.shaped_links import enter_netns
             enter_netns(cfg["netns"][rank])
             os.environ["GLOO_SOCKET_IFNAME"] = cfg["gloo_ifname"]
         os.environ.update(cfg["env"])
@@ -163,7 +144,7 @@ def worker_main(rank, world, cfg, results):
         for compressor in cfg["runs"]:
             state = None
             if compressor != "none":
-                codec = thc.THCCodec(seed=cfg["seed"], partition_size=PARTITION_SIZE)
+                codec = thc.THCCodec(seed=cfg["seed"], partition_size=INNETWORK_PARTITION_SIZE)
                 aggregator = cfg["aggregator"] if compressor == "thc" else None
                 state = thc_hook_state(aggregator=aggregator, job=cfg["job"],
                                        pool_size=cfg["pool_size"], codec=codec,
@@ -189,7 +170,7 @@ def worker_main(rank, world, cfg, results):
 # --------------------------------------------------------------------------- the parent
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m host.main_job", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.main_job", description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=4, help="worker processes (1..8 with thc)")
     ap.add_argument("--steps", type=int, default=150, help="training steps per run")
     ap.add_argument("--compressor", choices=COMPRESSORS, default="thc",
@@ -248,7 +229,7 @@ def parse_args(argv=None):
         ap.error(f"--link-mbit puts the aggregator on the emulated links: use --aggregator "
                  f"reference or dpdk, not {args.aggregator}")
     if args.link_mbit:
-        from host.netem import netns_available
+        from host.netlab.netem import netns_available
         reason = netns_available()
         if reason:
             ap.error(f"--link-mbit needs network namespaces: {reason}")
@@ -360,7 +341,7 @@ def run_workers(args, aggregator, members, runs=None, links=None):
     ctx.set_forkserver_preload(["torch", "torch.distributed", "sklearn.datasets", "thc"])
     runs = runs or planned_runs(args)
     if links:
-        from host.shaped_links import GLOO_PORT
+        from host.netlab.shaped_links import GLOO_PORT
         init_method = f"tcp://{links['master']}:{GLOO_PORT}"
     else:
         with socket.socket() as s:
@@ -406,9 +387,9 @@ def run_on_links(args) -> dict:
     """Each run on its own testbed of shaped links (--link-mbit): {rank: {run: results}}."""
     import tempfile
 
-    from host.bench_allreduce import link_mtu
-    from host.netem import NetnsTestbed
-    from host.shaped_links import (AGG_PORT, WORKER_UDP_PORT, job_config, start_dpdk,
+    from host.experiments.bench_allreduce import link_mtu
+    from host.netlab.netem import NetnsTestbed
+    from host.netlab.shaped_links import (AGG_PORT, WORKER_UDP_PORT, job_config, start_dpdk,
                                    start_reference, stop)
     outs: dict = {}
     mtu = link_mtu(args.values_per_packet)

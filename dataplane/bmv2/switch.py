@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from host.p4control import (BMV2_QUEUE_DEPTH, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
+from dataplane.bmv2.control import (BMV2_QUEUE_DEPTH, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
                             P4_SOURCE)
 
 PRIORITY_QUEUES = 8            # DLCP: 7 data bands + control (docs/protocol.md §6)

@@ -26,7 +26,7 @@ meet at the bottleneck (incast). A tensor's completion time runs from its first 
 sent to the receiver having it (TCP: to the PS's ack; DLCP: to the receiver reaching the
 tensor's bound); push time is the wall time of a worker's whole iteration.
 
-Usage: ``python -m host.dlcp.evaluate --json results.json`` (plots go to docs/img/).
+Usage: ``python -m host.experiments.dlcp.evaluate --json results.json`` (plots go to docs/img/).
 """
 from __future__ import annotations
 
@@ -303,15 +303,15 @@ def run_scheme(scheme: str, args, tmp: Path) -> dict:
                    "--counters", str(sw_out), "--capacity", str(args.capacity),
                    "--threshold", str(args.threshold), "--d", str(args.d))
     ready = tmp / f"{scheme}-ready"
-    ps = in_ns(NS_PS, "host.dlcp.evaluate", "--role", "ps", *common,
+    ps = in_ns(NS_PS, "host.experiments.dlcp.evaluate", "--role", "ps", *common,
                "--out", str(tmp / f"{scheme}-ps.json"), "--ready", str(ready))
     _wait_file(ready, 30)
     t0 = time.time() + 1.0
     duration = args.iterations * args.period + 1
-    bg = in_ns(NS_WORKERS, "host.dlcp.evaluate", "--role", "background", *common,
+    bg = in_ns(NS_WORKERS, "host.experiments.dlcp.evaluate", "--role", "background", *common,
                "--bg-rate", str(args.bg_fraction * args.rate), "--duration", str(duration),
                "--out", str(tmp / f"{scheme}-bg.json"))
-    workers = [in_ns(NS_WORKERS, "host.dlcp.evaluate", "--role", "worker", *common,
+    workers = [in_ns(NS_WORKERS, "host.experiments.dlcp.evaluate", "--role", "worker", *common,
                      "--worker", str(w), "--t0", str(t0), "--period", str(args.period),
                      "--out", str(tmp / f"{scheme}-w{w}.json")) for w in range(args.workers)]
     try:

@@ -27,7 +27,7 @@ Rates are per CPU-second of the one thread doing the work (the switch's lcore, t
 Python thread), so other load on a shared machine does not count; medians of --repeat
 runs. Prints a table; --json PATH writes the numbers.
 
-    python -m dataplane.bench_dpdk [--packets 2000000] [--values 1024] [--json out.json]
+    python -m host.experiments.bench_dpdk [--packets 2000000] [--values 1024] [--json out.json]
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Workers on shaped links: an aggregator on a NetnsTestbed, and workers that join their
-namespace. Shared by host.bench_allreduce and host.main_job --link-mbit.
+namespace. Shared by host.experiments.bench_allreduce and host.experiments.main_job --link-mbit.
 
 * `job_config`: the job description of a testbed's hosts (worker w at host_ip(w),
   WORKER_UDP_PORT), with the packet size the hosts send;
@@ -37,7 +37,7 @@ def job_config(tb, pool_size: int, job: int = 1, values_per_packet: int = 1024):
 def python_env(**extra) -> dict:
     """The environment of a Python process started on the testbed (this checkout first)."""
     return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=str(Path(__file__).resolve().parents[1]), **extra)
+                PYTHONPATH=str(Path(__file__).resolve().parents[2]), **extra)
 
 
 def start_reference(tb, config, workdir: Path) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """Benchmark: the reference aggregator as a UDP service, next to a plain UDP sink.
 
-    python -m dataplane.bench_udp [--workers 4] [--packets 20000] [--values-per-packet 256]
+    python -m host.experiments.bench_udp [--workers 4] [--packets 20000] [--values-per-packet 256]
                                   [--repeats 3] [--json results.json] [--plot bench.png]
 
 Several sender processes (one per worker, each from its configured address) blast DATA
@@ -216,7 +216,7 @@ def _plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dataplane.bench_udp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m host.experiments.bench_udp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=4, help="sender processes (default 4)")
     parser.add_argument("--packets", type=int, default=20000,

@@ -14,7 +14,7 @@ the average losing floor(p_pull * segments). Missing segments follow the policy:
 Workers keep identical replicas under ``zero``; under ``own`` they drift slightly, and the
 test accuracy reported is worker 0's.
 
-Usage: ``python -m host.dlcp.accuracy --json acc.json`` (plot in docs/img/dlcp_accuracy.png).
+Usage: ``python -m host.experiments.dlcp.accuracy --json acc.json`` (plot in docs/img/dlcp_accuracy.png).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from host.dlcp.transport import VALUES_PER_SEGMENT
+from host.experiments.common import load_digits_split, make_model
 
 
 def lost_mask(num_values: int, p: float, rng: np.random.Generator) -> np.ndarray:
@@ -57,7 +58,6 @@ def aggregate(grads: list[np.ndarray], p_push: float, p_pull: float, policy: str
 def train(p_push: float, p_pull: float, policy: str, seed: int, args) -> float:
     import torch
 
-    from host.main_job import load_digits_split, make_model
     torch.manual_seed(seed)
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
     base = make_model(args.hidden)

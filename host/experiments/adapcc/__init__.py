@@ -1,0 +1,1 @@
+"""AdapCC studies: synthesis and coordinator figures, partial and fault-tolerant training, the gloo check."""

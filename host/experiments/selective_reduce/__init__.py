@@ -1,0 +1,1 @@
+"""Selective reduce studies: the parameter sweeps and the convergence comparison."""

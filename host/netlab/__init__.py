@@ -1,0 +1,1 @@
+"""The network lab: namespaces, veth links, shaping, loss relays and the Mininet testbed."""
