@@ -2,7 +2,7 @@
 
 The wrapper owns shapes, dtypes and per-partition constants; the arithmetic lives in three
 interchangeable backends with identical semantics:
-  "numpy" : thc.reference (plain numpy, the specification)
+  "numpy" : thc.numpy_kernels over thc.reference (plain numpy, the specification)
   "cpu"   : thc.cpu_kernels (Numba @njit(parallel=True))
   "cuda"  : thc.cuda_kernels (Numba CUDA), picked automatically for CUDA inputs
 backend="auto" (the default) uses "cuda" for torch CUDA tensors / CUDA arrays and "cpu"
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference, rng
+from . import cpu_kernels, numpy_kernels, rng
+from .arrays import host_numpy, is_cuda, is_torch, torch_module
 from .errors import NonFiniteError, check_lanes
 from .layout import DEFAULT_PARTITION_SIZE, Layout, check_partition_size
 from .tables import check_table, lower_index_table, optimal_table, truncation_threshold
@@ -21,31 +22,12 @@ from .tables import check_table, lower_index_table, optimal_table, truncation_th
 BACKENDS = ("auto", "numpy", "cpu", "cuda")
 
 
-def _is_torch(x) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def _is_cuda(x) -> bool:
-    if _is_torch(x):
-        return x.is_cuda
-    return hasattr(x, "__cuda_array_interface__") or type(x).__name__ == "FakeCUDAArray"
-
-
-def _host_numpy(x, dtype=None) -> np.ndarray:
-    """A small array (norms, counts) as host numpy, whatever it came as."""
-    if _is_torch(x):
-        x = x.detach().cpu().numpy()
-    elif _is_cuda(x):
-        x = x.copy_to_host()
-    a = np.asarray(x)
-    return a.astype(dtype, copy=False) if dtype is not None else a
-
-
 def _checked_buffer(buf, length: int, what: str):
     """An output/operand buffer must be a contiguous float32 vector of `length` elements,
     so that the kernels see (and write) its own memory."""
-    if _is_torch(buf):
-        ok = buf.dtype == _torch().float32 and buf.is_contiguous() and buf.numel() == length
+    if is_torch(buf):
+        ok = (buf.dtype == torch_module().float32 and buf.is_contiguous()
+              and buf.numel() == length)
     else:
         ok = (np.dtype(buf.dtype) == np.float32 and buf.size == length
               and bool(buf.flags["C_CONTIGUOUS"]))
@@ -123,20 +105,21 @@ class THCCodec:
     def _kernels(self, x):
         choice = self.backend
         if choice == "auto":
-            choice = "cuda" if _is_cuda(x) else "cpu"
+            choice = "cuda" if is_cuda(x) else "cpu"
         if choice == "cuda":
+            # imported on the first CUDA input only: numba.cuda takes a quarter of a
+            # second to load, which a CPU-only process never needs
             from . import cuda_kernels
             return cuda_kernels
-        if _is_cuda(x):
+        if is_cuda(x):
             raise ValueError(f"backend {choice!r} cannot take a CUDA tensor; use backend='auto'")
         if choice == "cpu":
-            from . import cpu_kernels
             return cpu_kernels
-        return _NumpyKernels
+        return numpy_kernels
 
     def _partition_constants(self, max_norms, layout: Layout, what: str):
         """Per-partition M = t_p * l / sqrt(n), grid scale g / 2M and decode step 2M / g."""
-        norms = _host_numpy(max_norms, np.float64).reshape(-1)
+        norms = host_numpy(max_norms, np.float64).reshape(-1)
         if len(norms) != layout.num_partitions:
             raise ValueError(f"{what}: {len(norms)} max norms for {layout.num_partitions} "
                              f"partitions (one per partition, see codec.partition_norms)")
@@ -331,99 +314,10 @@ class THCCodec:
         total = None
         for w, gr in enumerate(grads):
             values = self.lookup(self.compress(gr, norms, worker=w, round=round, tensor=tensor))
-            values = (values.to(dtype=_torch().int32) if _is_torch(values)
+            values = (values.to(dtype=torch_module().int32) if is_torch(values)
                       else values.astype(np.int32))
             total = values if total is None else total + values
         return self.decode(total, n, norms, d)
-
-
-def _torch():
-    import torch
-    return torch
-
-
-class _NumpyKernels:
-    """The numpy reference behind the kernel interface the wrapper calls."""
-
-    @staticmethod
-    def as_flat(x, name, dtype="float32"):
-        if _is_torch(x):
-            x = x.detach()
-            a = x.reshape(-1).numpy()
-        else:
-            a = np.asarray(x).reshape(-1)
-        if dtype is not None and a.dtype != np.dtype(dtype):
-            a = a.astype(dtype)
-        return a
-
-    @staticmethod
-    def length(a):
-        return a.shape[0]
-
-    @staticmethod
-    def wrap_like(x, out):
-        if _is_torch(x):
-            return _torch().from_numpy(np.ascontiguousarray(out))
-        return out
-
-    @staticmethod
-    def as_counts(counts, padded):
-        c = np.asarray(_host_numpy(counts))
-        if c.ndim == 0:
-            return c.astype(np.float32)
-        if c.shape != (padded,):
-            raise ValueError(f"counts: per-element counts need length {padded}, got {c.shape}")
-        return c.astype(np.float32)
-
-    @staticmethod
-    def partition_norms(a, layout):
-        return reference.partition_norms(a, layout)
-
-    @staticmethod
-    def pad(a, layout):
-        out = np.zeros(layout.padded, dtype=np.float32)
-        out[:layout.d] = a
-        return out
-
-    @staticmethod
-    def unpad(a, layout):
-        return np.ascontiguousarray(a[:layout.d])
-
-    @staticmethod
-    def rotate(a, layout, sign_key):
-        return reference.rotate(a, layout, sign_key)
-
-    @staticmethod
-    def inverse_rotate(a, layout, sign_key, overwrite=False):
-        return reference.inverse_rotate(a, layout, sign_key)
-
-    @staticmethod
-    def quantize(a, half, scale, codec, layout, key):
-        nonfinite = int((~np.isfinite(a)).sum())
-        if nonfinite:
-            return None, nonfinite
-        return reference.quantize(a, half, scale, codec.table, codec.lower, codec.inv_width,
-                                  layout, key), 0
-
-    @staticmethod
-    def lookup(packed, table_u8):
-        return reference.lookup(packed, table_u8)
-
-    @staticmethod
-    def decode_rotated(sums, counts, half, step, layout):
-        return reference.decode_rotated(sums, counts, half, step, layout)
-
-    @staticmethod
-    def add_inplace(a, b):
-        np.add(a, b, out=a)
-
-    @staticmethod
-    def subtract(a, b, out):
-        np.subtract(a, b, out=out)
-
-    @staticmethod
-    def copy_into(dst, src):
-        np.copyto(dst, src)
 
 
 class ErrorFeedback:
@@ -518,22 +412,22 @@ class ErrorFeedback:
 
 
 def _numel(x) -> int:
-    return int(x.numel()) if _is_torch(x) else int(np.prod(x.shape))
+    return int(x.numel()) if is_torch(x) else int(np.prod(x.shape))
 
 
 def _same_kind(a, b) -> bool:
-    if _is_torch(a) or _is_torch(b):
-        return _is_torch(a) and _is_torch(b) and a.device == b.device
-    return _is_cuda(a) == _is_cuda(b)
+    if is_torch(a) or is_torch(b):
+        return is_torch(a) and is_torch(b) and a.device == b.device
+    return is_cuda(a) == is_cuda(b)
 
 
 def _empty_like_kind(x, length: int):
     """An uninitialized float32 vector of `length` on x's device and of x's kind (numpy
     arrays start on a cache line)."""
-    if _is_torch(x):
-        return _torch().empty(length, dtype=_torch().float32, device=x.device)
-    if _is_cuda(x):
-        from numba import cuda
+    if is_torch(x):
+        return torch_module().empty(length, dtype=torch_module().float32, device=x.device)
+    if is_cuda(x):
+        from numba import cuda      # CUDA inputs only (see THCCodec._kernels)
         return cuda.device_array(length, dtype=np.float32)
     raw = np.empty(length + 16, dtype=np.float32)
     skip = (-raw.ctypes.data % 64) // 4

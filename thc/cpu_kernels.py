@@ -22,9 +22,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from . import rng
+from . import numpy_kernels, rng
 from . import vector_kernels as vk
-from .codec import _NumpyKernels
 
 _mix64 = njit(cache=True, inline="always")(rng.mix64)
 U_GOLDEN, U_ONE = rng.U_GOLDEN, rng.U_ONE
@@ -217,14 +216,14 @@ def _decode_rotated(sums, counts, half, step, log_p, out):
 
 
 # ---- the backend interface the codec calls ----------------------------------------------
-as_flat = _NumpyKernels.as_flat
-length = _NumpyKernels.length
-wrap_like = _NumpyKernels.wrap_like
-pad = _NumpyKernels.pad
-unpad = _NumpyKernels.unpad
-add_inplace = _NumpyKernels.add_inplace
-subtract = _NumpyKernels.subtract
-copy_into = _NumpyKernels.copy_into
+as_flat = numpy_kernels.as_flat
+length = numpy_kernels.length
+wrap_like = numpy_kernels.wrap_like
+pad = numpy_kernels.pad
+unpad = numpy_kernels.unpad
+add_inplace = numpy_kernels.add_inplace
+subtract = numpy_kernels.subtract
+copy_into = numpy_kernels.copy_into
 
 
 def _contiguous(a, dtype=None):
@@ -232,7 +231,7 @@ def _contiguous(a, dtype=None):
 
 
 def as_counts(counts, padded):
-    c = _NumpyKernels.as_counts(counts, padded)
+    c = numpy_kernels.as_counts(counts, padded)
     return np.ascontiguousarray(c.reshape(-1), dtype=np.float32)
 
 

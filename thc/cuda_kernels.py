@@ -14,7 +14,7 @@ import numpy as np
 from numba import cuda
 
 from . import rng
-from .codec import _is_torch
+from .arrays import is_torch, torch_module
 
 U_GOLDEN, U_ONE, U6, U8, U40 = rng.U_GOLDEN, rng.U_ONE, rng.U6, rng.U8, rng.U40
 U63MASK, U24MASK = rng.U63MASK, rng.U24MASK
@@ -215,17 +215,12 @@ def _subtract(a, b, out):
 
 
 # ---- the backend interface the codec calls ----------------------------------------------
-def _torch():
-    import torch
-    return torch
-
-
 def as_flat(x, name, dtype="float32"):
     """A 1-D Numba device view of x (torch CUDA tensor or Numba device array)."""
-    if _is_torch(x):
+    if is_torch(x):
         t = x.detach().reshape(-1)
-        if dtype is not None and t.dtype != getattr(_torch(), dtype):
-            t = t.to(getattr(_torch(), dtype))
+        if dtype is not None and t.dtype != getattr(torch_module(), dtype):
+            t = t.to(getattr(torch_module(), dtype))
         return cuda.as_cuda_array(t.contiguous())
     a = x.reshape(x.size) if len(x.shape) != 1 else x
     if dtype is not None and a.dtype != np.dtype(dtype):
@@ -238,16 +233,16 @@ def length(a):
 
 
 def wrap_like(x, out):
-    if _is_torch(x):
-        return _torch().as_tensor(out, device=x.device)
+    if is_torch(x):
+        return torch_module().as_tensor(out, device=x.device)
     return out
 
 
 def as_counts(counts, padded):
-    if _is_torch(counts) and counts.is_cuda and counts.numel() == padded:
+    if is_torch(counts) and counts.is_cuda and counts.numel() == padded:
         return as_flat(counts, "counts")            # stays on the device, no round trip
-    if _is_torch(counts) or hasattr(counts, "copy_to_host"):
-        c = counts.detach().cpu().numpy() if _is_torch(counts) else counts.copy_to_host()
+    if is_torch(counts) or hasattr(counts, "copy_to_host"):
+        c = counts.detach().cpu().numpy() if is_torch(counts) else counts.copy_to_host()
     else:
         c = np.asarray(counts)
     c = c.astype(np.float32).reshape(-1)

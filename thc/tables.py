@@ -1,4 +1,4 @@
-"""Optimal THC lookup tables (digest §2.6) by exact shortest path over the grid.
+"""Optimal THC lookup tables (THC paper, §5.2) by exact shortest path over the grid.
 
 Given a table T (strictly increasing integers, T[0]=0, T[-1]=g) on the grid
 x_i = -t_p + 2 t_p i / g, unbiased stochastic rounding between bracketing values has

@@ -1,6 +1,6 @@
 """DLCP marking policy: layer index -> priority band (DSCP), gradient magnitude -> ECN.
 
-Two marks per packet (notes/dlcp.md §3.1, docs/protocol.md §6):
+Two marks per packet (DLCP paper, §3.2.2; docs/protocol.md §6):
 
 * **Band.** ``band = floor(layer * P / L)`` with P = 7 data bands, 0-based layer index,
   so the front layer gets band 0 (the highest data priority) and every band is in
@@ -16,7 +16,7 @@ Two marks per packet (notes/dlcp.md §3.1, docs/protocol.md §6):
   partition's L2 norm (the same before and after the RHT).  A partition is important when
   its RMS value (norm / sqrt(values)) is strictly greater than the median RMS over the
   tensor's partitions, the per-partition reading of the paper's "mean |g| > median |g|"
-  (notes/dlcp.md §3.1); every packet of the partition carries that mark.  The allreduce
+  (DLCP paper, §3.2.2); every packet of the partition carries that mark.  The allreduce
   passes the max-reduced norms that every worker already agreed on, so all workers mark
   a partition alike, and a tensor of one partition is all important (nothing to rank).
 

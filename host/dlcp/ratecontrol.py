@@ -1,4 +1,4 @@
-"""DLCP minimal rate control (notes/dlcp.md §2.4), as a pure state machine.
+"""DLCP minimal rate control (DLCP paper, Fig. 7), as a pure state machine.
 
 The receiver reports its measured receive rate every period (200 us by default); the
 sender compares it with its own send rate over the same stretch:
@@ -10,7 +10,7 @@ sender compares it with its own send rate over the same stretch:
   LINE_RATE_START at line rate.
 
 "Congested" is send > delta*recv in both states: the paper's CONG_AVOID sentence reads the
-other way round, which the digest identifies as a typo. Optional ECN echo (our extension,
+other way round, which we take for a typo. Optional ECN echo (our extension,
 off by default): with ce_threshold set, a report whose share of CE-marked arrivals is
 above it also counts as congested. The switch CE-marks ECT packets exactly where it starts
 dropping Not-ECT ones (occupancy above K), so the echo reacts to the queue before the

@@ -1,4 +1,4 @@
-"""BAG (Algorithm 1) and BPAWR (Algorithm 2) of selective reduce, with the digest's fixes.
+"""BAG (Algorithm 1) and BPAWR (Algorithm 2) of selective reduce, with fixes to the printed pseudocode.
 
 Workers are passed as ``(worker_id, bandwidth)`` pairs; bandwidth in Gbps, model size ``v`` in Gb,
 so 2v/b is seconds.  Deviations from the printed pseudocode (each selectable by a flag):

@@ -1,4 +1,4 @@
-/* DLCP stage (protocol.md section 6, notes/dlcp.md 7.3) on the Tofino traffic manager.
+/* DLCP stage (docs/protocol.md section 6) on the Tofino traffic manager.
  *
  * Classification (ingress): DSCP -> (queue, is_data) by table; the queue is the packet's
  * qid, and the control plane gives the port's eight queues strict priority (queue 7
@@ -70,7 +70,7 @@ control DlcpClassify(inout headers_t hdr,
         hdr.bridge.yellow = 0;
     }
 
-    /* Not-ECT data packets are unimportant (notes/dlcp.md 7.3) */
+    /* Not-ECT data packets are unimportant (docs/protocol.md section 6) */
     table data_color {
         key = {
             meta.is_data           : exact @name("is_data");

@@ -1,4 +1,4 @@
-/* DLCP stage (protocol.md section 6, notes/dlcp.md 7.3).
+/* DLCP stage (docs/protocol.md section 6).
  *
  * Classification (ingress): DSCP -> (queue, is_data) by table; the queue goes to
  * standard_metadata.priority, which simple_switch --priority-queues 8 serves with

@@ -1,4 +1,4 @@
-"""Coordinator: break-even bound (T14), decisions on the digest's example, faults (T13-T16)."""
+"""Coordinator: break-even bound (T14), decisions on a worked example, faults (T13-T16)."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""Cost model (Eqs. 1-6) and synthesizer: T6-T10 of the AdapCC digest."""
+"""Cost model (AdapCC paper, Eqs. 1-6) and synthesizer: test vectors T6-T10."""
 import numpy as np
 import pytest
 

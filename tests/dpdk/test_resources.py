@@ -1,5 +1,5 @@
-"""What the switch holds is sized from its configuration (issue 11.3), and frames up to
-the jumbo limit pass whole while longer ones are dropped and counted (issue 11.6)."""
+"""What the switch holds is sized from its configuration (mbuf pool, rings), and frames up
+to the jumbo limit pass whole while longer ones are dropped and counted."""
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
@@ -7,6 +7,7 @@ from scapy.packet import Raw
 
 from dataplane.config import Dlcp
 from dataplane.dpdk_runner import SwitchError, run_pcap
+from dataplane.wire import L2L4_LEN
 
 from . import streams
 
@@ -54,7 +55,7 @@ def ordinary(size: int, dst: str = "10.2.0.9") -> bytes:
     """An ordinary UDP frame of exactly `size` bytes, routed by streams.routes() to port 4."""
     head = Ether(dst=streams.SWITCH_MAC, src="02:00:00:00:09:01") / IP(src="10.9.0.1", dst=dst) \
         / UDP(sport=1234, dport=4321)
-    return bytes(head / Raw((bytes(range(256)) * (size // 256 + 1))[:size - 42]))
+    return bytes(head / Raw((bytes(range(256)) * (size // 256 + 1))[:size - L2L4_LEN]))
 
 
 def test_jumbo_frames_pass_whole_and_longer_ones_are_dropped_and_counted():

@@ -1,4 +1,4 @@
-"""BAG / BPAWR unit vectors T1-T9 from the selective-reduce digest."""
+"""BAG / BPAWR unit vectors T1-T9 (Selective Reduce paper, Algorithms 1 and 2)."""
 import random
 
 import pytest

@@ -60,7 +60,7 @@ def test_bits_down_grows_with_workers():
 
 
 def test_lognormal_copies_bits_sweep():
-    """App. D.4 style: roughly an order of magnitude per extra bit (digest §8.2-8)."""
+    """THC paper, App. D.4: roughly an order of magnitude less error per extra bit."""
     rs = np.random.default_rng(9)
     x = rs.lognormal(size=1 << 14).astype(np.float32)
     errs = {}
