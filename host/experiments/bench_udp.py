@@ -109,6 +109,11 @@ def _measure(received, start_senders, senders) -> tuple[int, float]:
         if not any(p.is_alive() for p in senders) and now - last_change[0] > QUIET_S:
             break
     first = next(((t, c) for t, c in samples if c > 0), samples[-1])
+    if last_change[1] == 0:
+        raise SystemExit("the receiver got no datagram: check that loopback UDP works here")
+    if first[1] == last_change[1]:      # nothing arrived after the first poll: no rate to time
+        raise SystemExit(f"all {last_change[1]} datagrams arrived within one {POLL_S * 1e3:.0f} ms "
+                         "poll, too few to time: raise --packets (default 20000)")
     # The first nonzero sample is within one poll of the first datagram: count from it.
     busy = max(last_change[0] - first[0], POLL_S)
     return last_change[1], (last_change[1] - first[1]) / busy
@@ -200,7 +205,7 @@ def _table(result: dict) -> str:
 
 
 def _plot(result: dict, path: str) -> None:
-    import matplotlib
+    import matplotlib       # only --plot needs it (about a second to import)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     m = result["median"]

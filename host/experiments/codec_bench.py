@@ -3,7 +3,7 @@
     python -m host.experiments.codec_bench nmse  [--json F] [--plot P] [--log2d 16] [--reps 3]
     python -m host.experiments.codec_bench speed [--json F] [--log2d 24] [--reps 5]
 
-nmse reproduces the digest's §8.2 numbers (single worker, identical copies, bit sweep,
+nmse measures the codec's NMSE (single worker, identical copies, bit sweep,
 baselines) next to the analytic/expected values, and saves a plot. speed measures compress
 (norms + RHT + quantize) and decompress (decode + inverse RHT) throughput in GB/s of float32
 input for the Numba CPU kernels and a plain torch implementation of the same algorithm, in
@@ -23,13 +23,17 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from thc import baselines as B
 from thc import rng
-from thc.codec import THCCodec
+from thc.codec import ErrorFeedback, THCCodec
+from thc.cpu_kernels import aligned_empty
 from thc.tables import expected_nmse, optimal_table
+from thc.torch_reference import TorchTHC
 
 DIGEST_SWEEP = {(2, 3): 0.081, (2, 8): 0.063, (3, 7): 0.0149, (3, 10): 0.0122, (3, 20): 0.0105,
                 (4, 15): 0.0034, (4, 20): 0.0024, (4, 30): 0.0026, (4, 51): 0.0023}
@@ -45,8 +49,6 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    import numba
-    import torch
     info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "numba": numba.__version__, "numba_threads": numba.get_num_threads(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -159,6 +161,7 @@ def run_nmse(log2d=16, reps=3, plot=None):
 
 
 def _plot_nmse(curves, baseline_rows, path):
+    # only `nmse` plots: `speed` starts without matplotlib (about a second to import)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -198,9 +201,6 @@ def _median_time(fn, reps, sync=None):
 
 
 def run_speed(log2d=24, reps=5):
-    import torch
-
-    from thc.torch_reference import TorchTHC
     d = 1 << log2d
     gbytes = 4 * d / 1e9
     rs = np.random.default_rng(0)
@@ -278,27 +278,21 @@ def _paired_times(fns, reps, setup=None):
             for name, t in times.items()}
 
 
-def _aligned(n):
-    from thc.cpu_kernels import aligned_empty
-    return aligned_empty(n)
-
-
 def _speed_vs_fht_cpu(codec, x, reps):
     """Our forward RHT (signs, padding, transform, scale) against fht-cpu's FWHT (in place,
     unnormalized, float32, along rows) on the same 2^k floats cut into the same partitions,
     with the same thread count (one with --threads 1)."""
     try:
-        import fht_cpu
+        import fht_cpu          # optional: the `dev` extra's yardstick, not a dependency
     except ImportError:
         print("\nRHT vs fht-cpu: skipped, fht-cpu is not installed (it is in the dev extra: "
               "pip install -e '.[dev]', or pip install fht-cpu)")
         return None
-    import numba
     d, n = len(x), min(codec.partition_size, len(x))
     threads = numba.get_num_threads()
-    src = _aligned(d)
+    src = aligned_empty(d)
     src[:] = x
-    buf, out, back = _aligned(d), _aligned(d), _aligned(d)
+    buf, out, back = aligned_empty(d), aligned_empty(d), aligned_empty(d)
     rows = buf.reshape(-1, n)
     # like for like: fht-cpu computes H v unnormalized; our RHT is H (D x) / sqrt(n)
     signed = src * rng.signs_np(codec.sign_key, np.arange(d))
@@ -329,7 +323,6 @@ def _speed_error_feedback(codec, x, reps):
     domain, as host/allreduce.py runs it. 'before exchange' is the work that must finish
     before the max-norm exchange can start; the gradient domain's RHT then runs during
     the exchange, the rotated domain has nothing left to overlap it with."""
-    from thc.codec import ErrorFeedback
     d = len(x)
     grad_ef, rot_ef = ErrorFeedback(), ErrorFeedback(rotated=True)
     state = {}
@@ -379,7 +372,6 @@ def _speed_error_feedback(codec, x, reps):
 
 
 def _speed_cuda(codec, ref, x, norms, reps):
-    import torch
     d = len(x)
     gbytes = 4 * d / 1e9
     xc = torch.from_numpy(x).cuda()
@@ -429,8 +421,6 @@ def main(argv=None):
         result["machine"] = machine()
     else:
         if args.threads:
-            import numba
-            import torch
             numba.set_num_threads(args.threads)
             torch.set_num_threads(args.threads)
         result = run_speed(args.log2d, args.reps)

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 import torch
+from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 from thc import ErrorFeedback, THCCodec
@@ -21,7 +22,6 @@ from thc.baselines import nmse
 
 
 def load_data(seed: int):
-    from sklearn.datasets import load_digits
     digits = load_digits()
     x = torch.tensor(digits.data / 16.0, dtype=torch.float32)
     y = torch.tensor(digits.target, dtype=torch.long)

@@ -24,6 +24,7 @@ aggregator.
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -33,15 +34,24 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
+import numba
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 
+import thc
+from dataplane.config import Job, Member, SwitchConfig
+from dataplane.udp_service import serve
 from host.adapcc.coordinator import faulty_workers, redistribute_batch
+from host.adapcc.partial_aggregation import bitmap
+from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port
 from host.experiments.common import load_digits_split, make_model
-from host.ddp_hook import INNETWORK_PARTITION_SIZE
-
-
+from host.transport import AggregatorTransport
 
 # --------------------------------------------------------------------------- coordinator
 
@@ -182,17 +192,6 @@ def _param_digest(params) -> str:
 
 
 def worker_main(rank: int, cfg: dict, results) -> None:
-    import datetime
-
-    import numba
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    import thc
-    from host.adapcc.partial_aggregation import bitmap
-    from host.transport import AggregatorTransport
-
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     n = cfg["workers"]
@@ -256,7 +255,6 @@ def worker_main(rank: int, cfg: dict, results) -> None:
         transport.close()
         results.put((rank, {"log": log, "digest": _param_digest(params)}, None))
     except Exception as exc:                        # reported by the parent with the rank
-        import traceback
         results.put((rank, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
@@ -273,11 +271,6 @@ def run_job(workers: int = 4, kill_worker: int = 3, kill_step: int = 15, steps: 
             min_fault_timeout: float = 2.0, timeout: float = 20.0,
             deadline_s: float = 55.0) -> dict:
     """Run the job; return per-worker logs, exit codes, fault records and decisions."""
-    import torch.multiprocessing as mp
-
-    from dataplane.config import Job, Member, SwitchConfig
-    from dataplane.udp_service import serve
-    from host.ddp_hook import free_udp_port
     if not 0 <= kill_worker < workers or not 0 < kill_step < steps:
         raise ValueError(f"kill worker {kill_worker} at step {kill_step}: need a worker in "
                          f"0..{workers - 1} and a step in 1..{steps - 1}")

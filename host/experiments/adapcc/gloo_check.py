@@ -126,7 +126,8 @@ def run_all(world: int = 4, timeout: float = 120.0) -> dict[int, dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.gloo_check",
+                                 description=__doc__)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--json", help="write the per-rank results here")
     args = ap.parse_args()

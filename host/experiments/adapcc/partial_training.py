@@ -30,9 +30,19 @@ import sys
 import time
 from pathlib import Path
 
+import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
 import numpy as np
-from host.experiments.common import load_digits_split, make_model
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import thc
+from dataplane.config import Job, Member, SwitchConfig
+from dataplane.reference import ReferenceSwitch
 from host.ddp_hook import INNETWORK_PARTITION_SIZE
+from host.experiments.common import load_digits_split, make_model
+from host.packets import decode_headers, encode_data
+from host.packets.constants import TYPE_RESULT
 
 FRACTIONS = (1.0, 0.9, 0.8, 0.7, 0.5)
 
@@ -41,8 +51,6 @@ class InProcessAggregator:
     """One job on the reference aggregator's slot state machine, fed packet by packet."""
 
     def __init__(self, workers: int, pool_size: int, table, job: int = 1, vpp: int = 1024):
-        from dataplane.config import Job, Member, SwitchConfig
-        from dataplane.reference import ReferenceSwitch
         members = [Member(worker=w, port=w, mac=f"02:00:00:00:02:{w + 1:02x}",
                           ip=f"10.0.0.{w + 1}", udp_port=41000 + w) for w in range(workers)]
         job_desc = Job(job, pool_size, tuple(int(v) for v in table), tuple(members))
@@ -53,8 +61,6 @@ class InProcessAggregator:
 
     def aggregate(self, packed: dict, order, num_values: int, tensor: int, min_count: int):
         """Feed every worker's DATA in ``order``: (lane sums, per-chunk counts, LATE replies)."""
-        from host.packets import decode_headers, encode_data
-        from host.packets.constants import TYPE_RESULT
         n_chunks = -(-num_values // self.vpp)
         chunks = np.arange(n_chunks)
         slots = chunks % self.pool_size
@@ -111,10 +117,6 @@ def train(fraction: float | None, seed: int, *, workers: int, steps: int, hidden
           batch: int, lr: float, granularity: int, eval_every: int, stragglers: str = "iid",
           progress=None) -> dict:
     """One run; fraction None = fp32 mean over all workers (no THC, no aggregator)."""
-    import torch
-    import torch.nn.functional as F
-
-    import thc
     torch.manual_seed(seed)
     model = make_model(hidden)
     params = list(model.parameters())
@@ -217,9 +219,6 @@ def summarize(runs: list[dict], fractions=FRACTIONS, early_step: int = 20) -> li
 
 
 def plot(runs: list[dict], rows: list[dict], path: Path, fractions=FRACTIONS) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (ax_frac, ax_curve) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, marker in (("iid", "o"), ("persistent", "s")):
         sel = [r for r in rows if r["stragglers"] == mode]
@@ -275,8 +274,6 @@ def main(argv=None) -> int:
                  "aggregator's 8-bit lanes would overflow; lower the granularity")
     if any(not 0 < f <= 1 for f in args.fractions):
         ap.error("--fractions must lie in (0, 1]")
-    import torch
-    from tqdm import tqdm
     torch.set_num_threads(1)
     fractions = tuple(args.fractions)
     configs = [(None, "iid", s) for s in range(args.seeds)] + \

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 
+import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
 import numpy as np
 from tqdm import tqdm
 
@@ -160,11 +161,6 @@ def coordinator_experiment(trials=2000, seed=0) -> dict:
 
 
 def plot(results: dict, outdir: str) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-
     os.makedirs(outdir, exist_ok=True)
     written = []
     rows = results["synthesis"]
@@ -209,7 +205,8 @@ def plot(results: dict, outdir: str) -> list[str]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.study",
+                                 description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--plots", default="docs/img")
     ap.add_argument("--trials", type=int, default=2000)

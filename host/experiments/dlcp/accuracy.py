@@ -22,7 +22,10 @@ import argparse
 import json
 from pathlib import Path
 
+import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from host.dlcp.transport import VALUES_PER_SEGMENT
 from host.experiments.common import load_digits_split, make_model
@@ -56,8 +59,6 @@ def aggregate(grads: list[np.ndarray], p_push: float, p_pull: float, policy: str
 
 
 def train(p_push: float, p_pull: float, policy: str, seed: int, args) -> float:
-    import torch
-
     torch.manual_seed(seed)
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
     base = make_model(args.hidden)
@@ -88,7 +89,8 @@ def train(p_push: float, p_pull: float, policy: str, seed: int, args) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="digits MLP accuracy under DLCP loss bounds")
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.dlcp.accuracy",
+                                 description="digits MLP accuracy under DLCP loss bounds")
     ap.add_argument("--p", default="0,0.01,0.1,0.3", help="push loss bounds")
     ap.add_argument("--p-pull-ratio", type=float, default=0.1, help="p_pull = ratio * p_push")
     ap.add_argument("--policies", default="zero,own")
@@ -104,7 +106,6 @@ def main(argv=None) -> int:
     ps = [float(v) for v in args.p.split(",")]
     if any(not 0 <= v < 1 for v in ps):
         ap.error("--p values must be in [0, 1)")
-    from tqdm import tqdm
     runs = [(pol, p, s) for pol in args.policies.split(",") for p in ps for s in range(args.seeds)]
     acc: dict[str, dict[str, list[float]]] = {}
     for pol, p, s in tqdm(runs, desc="training runs"):
@@ -117,9 +118,6 @@ def main(argv=None) -> int:
                for pol, row in acc.items()}
     if args.json:
         Path(args.json).write_text(json.dumps({"config": vars(args), "accuracy": summary}, indent=2))
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for pol, row in acc.items():
         ax.errorbar([100 * p for p in ps], [np.mean(row[str(p)]) * 100 for p in ps],

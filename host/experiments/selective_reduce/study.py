@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import replace
 
+import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
 import numpy as np
 from tqdm import tqdm
 
+from host.experiments.common import save_figure
 from host.selective_reduce.policies import POLICIES
 from host.selective_reduce.simulator import SimConfig, Simulation
-from host.experiments.common import save_figure
 
 METRICS = ("avg_sync_time", "avg_sync_time_with_wait", "avg_scale", "total_syncs",
            "total_iterations", "wasted_wait_per_worker")
@@ -118,13 +120,6 @@ LABELS = {"avg_sync_time": "avg sync time (s)", "avg_scale": "avg sync scale",
 
 
 def plot(results: dict, outdir: str) -> list[str]:
-    import os
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-
     os.makedirs(outdir, exist_ok=True)
     written = []
     for name, exp in results.items():
@@ -152,7 +147,8 @@ def plot(results: dict, outdir: str) -> list[str]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.selective_reduce.study",
+                                 description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", help="write all results as JSON here")
     ap.add_argument("--seeds", type=int, default=20, help="seeds for the n sweeps (paper: 20)")
     ap.add_argument("--sweep-seeds", type=int, default=10, help="seeds for the parameter sweeps")

@@ -1,10 +1,14 @@
 """The demo and the benchmarks run end to end on small sizes and write what they promise."""
 import json
 import re
+import sys
 
+import numba
 import pytest
+import torch
 
 from host.experiments import codec_bench as bench, codec_demo as demo
+from thc import LaneOverflowError
 
 
 def test_demo_trains_with_compressed_gradients(capsys):
@@ -16,7 +20,6 @@ def test_demo_trains_with_compressed_gradients(capsys):
 
 
 def test_demo_refuses_lane_overflow():
-    from thc import LaneOverflowError
     with pytest.raises(LaneOverflowError, match="granularity <= 28"):
         demo.main(["--workers", "9", "--rounds", "1"])
 
@@ -28,8 +31,6 @@ def test_bench_nmse_and_speed_write_json(tmp_path, capsys):
     assert (tmp_path / "n.png").stat().st_size > 1000
     one = next(r for r in result["copies"] if r["n"] == 1)
     assert one["nmse"] == pytest.approx(one["analytic"], rel=0.3)
-    import numba
-    import torch
     threads = numba.get_num_threads(), torch.get_num_threads()
     try:
         bench.main(["speed", "--log2d", "12", "--reps", "1", "--threads", "1",
@@ -46,7 +47,7 @@ def test_bench_nmse_and_speed_write_json(tmp_path, capsys):
     assert [r["variant"] for r in speed["error_feedback"]] == [
         "gradient domain (2 inverse RHTs)", "rotated domain (1 inverse RHT)"]
     try:
-        import fht_cpu  # noqa: F401
+        import fht_cpu  # noqa: F401  (optional: the dev extra)
     except ImportError:
         assert speed["fht_cpu"] is None and "fht-cpu is not installed" in out
     else:
@@ -54,7 +55,6 @@ def test_bench_nmse_and_speed_write_json(tmp_path, capsys):
 
 
 def test_bench_speed_runs_without_fht_cpu(tmp_path, capsys, monkeypatch):
-    import sys
     monkeypatch.setitem(sys.modules, "fht_cpu", None)      # import fails as if absent
     assert bench._speed_vs_fht_cpu(bench.THCCodec(), bench.np.ones(1 << 12, "float32"),
                                    1) is None
