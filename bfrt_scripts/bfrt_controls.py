@@ -17,12 +17,13 @@ import ipaddress
 import re
 
 from bfrt_scripts.tofino_plan import (
-    C_DLCP, C_GLOBAL, C_JOB, GLOBAL_COUNTER_CELLS_SIZE, INDEX_BYTES, JOB_COUNTER_STRIDE,
-    NUM_QUEUES, T_AGG_LENGTHS, T_CONTRIBUTOR_BITS, T_DROP_REPORTING, T_DSCP, T_EXPECTED_BITS,
+    C_DLCP, C_GLOBAL, C_JOB, GLOBAL_COUNTER_CELLS_SIZE, INDEX_BYTES, NUM_QUEUES,
+    T_AGG_LENGTHS, T_CONTRIBUTOR_BITS, T_DROP_REPORTING, T_DSCP, T_EXPECTED_BITS,
     T_EXPECTED_IN_JOB, T_EXPECTED_TOO_FEW, T_JOBS, T_MEMBER_ADDRESSES, T_MEMBERS,
     T_NEXT_HOPS, T_QUEUE_THRESHOLDS, T_ROUTES, T_SWITCH_ADDRESS, YELLOW_STEPS, DefaultEntry,
     DeployOptions, TableEntry, TofinoPlan, counters_from_cells, key_kwargs, lookup_table,
     pipe_of, plan_switch)
+from dataplane.job_plan import JOB_COUNTER_STRIDE
 
 _MAC_RE = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 

@@ -7,9 +7,12 @@ Traffic Manager queue settings, port bring-up. It refuses a description the prog
 hold with a `ConfigError` naming the limit and what to lower, before anything touches a
 switch. `counters_from_cells` turns the counter cells read back into the protocol's names.
 
-Pure standard-library Python plus `dataplane.config` (itself standard library only), so the
-SDE's bfshell Python imports it as well as the project's venv: one validation, one plan,
-for the dry run, the tests and the switch.
+The job layout (dense job index, slot base, counter block, multicast group) and the
+counter cells both P4 programs share come from `dataplane.job_plan`; this module keeps the
+TNA program's limits and names. Pure standard-library Python plus `dataplane.config`,
+`dataplane.job_plan` and `dataplane.wire` (all standard library only), so the SDE's
+bfshell Python imports it as well as the project's venv: one validation, one plan, for the
+dry run, the tests and the switch.
 """
 from __future__ import annotations
 
@@ -17,7 +20,12 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
-from dataplane.config import NUM_QUEUES, ConfigError, Job, SwitchConfig
+from dataplane import job_plan
+from dataplane.config import MAX_WORKERS, NUM_QUEUES, ConfigError, Job, SwitchConfig
+from dataplane.job_plan import (JobLayout, check_job_capacity, job_layouts, jobs_in_order,
+                                lane_pairs, members_in_order, next_hop_bases, switch_ports)
+from dataplane.wire import (AGG_FRAME_OVERHEAD, HEADER_LEN, IPV4_LEN, TYPE_DATA, TYPE_FLUSH,
+                            UDP_LEN, payload_len)
 
 # ---- resource limits of p4src/tna (headers.p4, counters.p4); keep in step with the P4 ----
 TOFINO_MAX_VALUES = 64          # values per packet in one pass (MAX_VALUES)
@@ -27,10 +35,8 @@ MAX_JOBS = 16
 SLOT_BUDGET = 8192              # slots of all jobs together (two copies each)
 MAX_ROUTES = 1024
 NEXT_HOP_SLOTS = 8192
-JOB_COUNTER_STRIDE = 16
 GLOBAL_COUNTER_CELLS_SIZE = 16
 MAX_DEV_PORT = 511
-MAX_WORKERS = 32
 QUEUE_DEPTH_MAX_CELLS = (1 << 19) - 1   # enq_qdepth is 19 bits (cells)
 MARK_CELLS_MAX = (1 << 31) - 1          # K - enq_qdepth keeps its sign (dlcp.p4)
 DEFAULT_PROGRAM = "thc_ina"
@@ -38,8 +44,6 @@ PLANE = "the Tofino program"
 
 # Cell sizes of the traffic manager buffer (tm.cfg.cell_size_bytes).
 CELL_BYTES = {1: 80, 2: 176}
-# Frame bytes of an aggregation packet before its payload: Ethernet, IPv4, UDP, AGG.
-AGG_FRAME_OVERHEAD = 14 + 20 + 8 + 32
 YELLOW_STEPS = ("12.5%", "25%", "37.5%", "50%", "62.5%", "75%", "87.5%", "100%")
 
 # ---- bfrt names (pipe.<control instance path>.<table>) ----
@@ -72,14 +76,11 @@ def lookup_table(position: int) -> str:
     return f"{INGRESS}.lookup_{position}.byte_to_lanes"
 
 
-# Counter cells (p4src/tna/counters.p4).
+# Per-job counter cells (p4src/tna/counters.p4): the program counts outcomes. Its global
+# and DLCP cells are the BMv2 program's (dataplane/job_plan.py).
 JOB_CELLS = {"pending": 0, "complete": 1, "duplicate": 2, "reserved": 3, "straggler": 4,
              "flush": 5, "drop_bad_slot": 6, "drop_not_member": 7, "drop_bad_expected": 8,
              "drop_unsatisfiable": 9}
-GLOBAL_CELLS = {"drop_truncated": 0, "drop_bad_version": 1, "drop_bad_type": 2,
-                "drop_bad_length": 3, "drop_unknown_job": 4, "drop_not_routable": 5,
-                "forwarded": 6, "drop_fragment": 7}
-DLCP_CELLS = {"dlcp_selective_drop": 0, "dlcp_buffer_drop": 1, "dlcp_ce_marked": 2}
 # The protocol's per-job names (protocol.md 4.5) as sums of outcome cells.
 JOB_NAMES = {
     "rx": ("pending", "complete", "duplicate", "reserved", "straggler", "flush"),
@@ -188,23 +189,6 @@ class PortSetting:
 
 
 @dataclass(frozen=True)
-class JobLayout:
-    """Where a job lives inside the program's shared resources."""
-    job: int
-    index: int                    # counter block, multicast group index + 1
-    slot_base: int
-    pool_size: int
-
-    @property
-    def group_id(self) -> int:
-        return self.index + 1
-
-    @property
-    def counter_base(self) -> int:
-        return self.index * JOB_COUNTER_STRIDE
-
-
-@dataclass(frozen=True)
 class DeployOptions:
     """What the job description does not say: the switch's hardware and SDE."""
     program: str = DEFAULT_PROGRAM
@@ -278,13 +262,6 @@ def values_per_packet(job: Job) -> int:
     return int(job.values_per_packet)
 
 
-def member_mask(job: Job) -> int:
-    mask = 0
-    for m in job.members:
-        mask |= 1 << m.worker
-    return mask
-
-
 def validate(config: SwitchConfig) -> None:
     """dataplane.config's validation (the one every control plane runs) with this program's
     limits, then what only Tofino limits. Raises ConfigError saying what to lower."""
@@ -295,14 +272,7 @@ def validate(config: SwitchConfig) -> None:
             raise ConfigError(f"job {job.job}: values_per_packet {vpp} exceeds {PLANE}'s limit "
                               f"of {TOFINO_MAX_VALUES} values per packet; lower "
                               "values_per_packet")
-    if len(config.jobs) > MAX_JOBS:
-        raise ConfigError(f"{len(config.jobs)} jobs; {PLANE} holds at most {MAX_JOBS} "
-                          "(MAX_JOBS in p4src/tna/headers.p4): run fewer jobs per switch")
-    total = sum(j.pool_size for j in config.jobs)
-    if total > SLOT_BUDGET:
-        sizes = ", ".join(f"job {j.job}: {j.pool_size}" for j in config.jobs)
-        raise ConfigError(f"the jobs ask for {total} slots ({sizes}); {PLANE} has "
-                          f"{SLOT_BUDGET} in all: lower pool_size")
+    check_job_capacity(config, PLANE, MAX_JOBS, SLOT_BUDGET, "MAX_JOBS in p4src/tna/headers.p4")
     if len(config.routes) > MAX_ROUTES:
         raise ConfigError(f"{len(config.routes)} routes; {PLANE} holds at most {MAX_ROUTES}: "
                           "aggregate prefixes")
@@ -340,18 +310,9 @@ def pipe_of(dev_port: int) -> int:
 
 
 # --------------------------------------------------------------------------- planning
-def job_layouts(config: SwitchConfig) -> dict[int, JobLayout]:
-    """Dense job indices and slot ranges, in job-id order (as the BMv2 plan)."""
-    layouts, base = {}, 0
-    for index, job in enumerate(sorted(config.jobs, key=lambda j: j.job)):
-        layouts[job.job] = JobLayout(job.job, index, base, job.pool_size)
-        base += job.pool_size
-    return layouts
-
-
 def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
                 options: DeployOptions) -> list[TableEntry]:
-    mask = member_mask(job)
+    mask = job.member_mask
     entries = [_entry(T_JOBS, {"job": job.job}, "set_job", {
         "job_index": layout.index, "counter_base": layout.counter_base,
         "slot_base": layout.slot_base,
@@ -361,7 +322,7 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
     entries.append(_entry(T_EXPECTED_IN_JOB, {"job": job.job,
                                               "expected": Ternary(0, ~mask & 0xFFFFFFFF),
                                               "MATCH_PRIORITY": 1}, "members_only"))
-    for m in sorted(job.members, key=lambda m: m.worker):
+    for m in members_in_order(job):
         entries.append(_entry(T_MEMBERS, {
             "job": job.job, "worker": m.worker, "port": options.dev_port(m.port),
             "mac": mac_int(m.mac), "ip": ip_int(m.ip), "udp_port": m.udp_port}, "member"))
@@ -377,11 +338,10 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout,
 def lookup_entries(job: Job, layout: JobLayout) -> list[TableEntry]:
     """The 256-entry byte table of every byte position, keyed on the job's dense index:
     b -> (T[b >> 4], T[b & 15])."""
-    table = [int(v) for v in job.table]
+    pairs = lane_pairs(job)
     return [_entry(lookup_table(position), {"job_index": layout.index, "packed": byte},
-                   "set_lanes",
-                   {"high_value": table[byte >> 4], "low_value": table[byte & 0x0F]})
-            for position in range(INDEX_BYTES) for byte in range(256)]
+                   "set_lanes", {"high_value": high, "low_value": low})
+            for position in range(INDEX_BYTES) for byte, (high, low) in enumerate(pairs)]
 
 
 def multicast(job: Job, layout: JobLayout,
@@ -389,28 +349,26 @@ def multicast(job: Job, layout: JobLayout,
     """One PRE node per member (rid = worker id, the member's port), in worker-id order."""
     nodes = [MulticastNode(layout.index * MAX_WORKERS + m.worker + 1, m.worker,
                            (options.dev_port(m.port),))
-             for m in sorted(job.members, key=lambda m: m.worker)]
+             for m in members_in_order(job)]
     return nodes, MulticastGroup(layout.group_id, tuple(n.node_id for n in nodes))
-
-
-def payload_bytes(pkt_type: int, num_values: int) -> int:
-    return (num_values + 1) // 2 if pkt_type == 0 else 0
 
 
 def _length_entry(pkt_type: int, num_values: Ternary, udp_length: int) -> TableEntry:
     """UDP length as the type and count say, IPv4 length 20 more, the frame parsed whole."""
     return _entry(T_AGG_LENGTHS, {"pkt_type": Ternary(pkt_type, 0xF), "num_values": num_values,
                                   "udp_length": Ternary(udp_length, 0xFFFF),
-                                  "ip_length": Ternary(20 + udp_length, 0xFFFF),
+                                  "ip_length": Ternary(IPV4_LEN + udp_length, 0xFFFF),
                                   "parser_err": Ternary(0, 0xFFFF),
                                   "MATCH_PRIORITY": 1}, "length_fits")
 
 
 def validation_entries() -> list[TableEntry]:
     """Protocol constants the program reads from tables (validation.p4, aggregation.p4)."""
-    entries = [_length_entry(0, Ternary(n, 0xFFFF), 40 + payload_bytes(0, n))
+    agg_udp = UDP_LEN + HEADER_LEN          # UDP length of an AGG packet without payload
+    entries = [_length_entry(TYPE_DATA, Ternary(n, 0xFFFF), agg_udp + payload_len(TYPE_DATA, n))
                for n in range(1, TOFINO_MAX_VALUES + 1)]
-    entries.append(_length_entry(3, Ternary(0, 0), 40))       # FLUSH: num_values ignored
+    # FLUSH: num_values ignored
+    entries.append(_length_entry(TYPE_FLUSH, Ternary(0, 0), agg_udp + payload_len(TYPE_FLUSH, 0)))
     for table, (_, width, action) in zip(T_EXPECTED_BITS, EXPECTED_CHUNKS):
         entries += [_entry(table, {"chunk": chunk}, action, {"bits": bin(chunk).count("1")})
                     for chunk in range(1 << width)]
@@ -474,8 +432,8 @@ def dlcp_plan(config: SwitchConfig, options: DeployOptions,
 def route_entries(config: SwitchConfig, options: DeployOptions) -> list[TableEntry]:
     """One LPM entry per route naming its next-hop group, one entry per next hop (route i
     owns turn cell i and next_hops next_hop_base .. next_hop_base + k - 1, in order)."""
-    entries, base = [], 0
-    for index, r in enumerate(config.routes):
+    entries = []
+    for index, (r, base) in enumerate(zip(config.routes, next_hop_bases(config))):
         net = ipaddress.IPv4Network(r.prefix, strict=False)
         hops = r.next_hops
         prefix = Lpm(int(net.network_address), net.prefixlen)
@@ -485,13 +443,11 @@ def route_entries(config: SwitchConfig, options: DeployOptions) -> list[TableEnt
         for offset, (port, mac) in enumerate(hops):
             entries.append(_entry(T_NEXT_HOPS, {"next_hop_index": base + offset}, "set_next_hop",
                                   {"port": options.dev_port(port), "next_hop_mac": mac_int(mac)}))
-        base += len(hops)
     return entries
 
 
 def used_ports(config: SwitchConfig, options: DeployOptions) -> list[int]:
-    ports = {options.dev_port(m.port) for j in config.jobs for m in j.members}
-    ports |= {options.dev_port(p) for r in config.routes for p, _ in r.next_hops}
+    ports = {options.dev_port(p) for p in switch_ports(config)}
     if options.drop_report_port is not None:
         ports.add(options.drop_report_port)
     return sorted(ports)
@@ -506,7 +462,7 @@ def plan_switch(config: SwitchConfig, options: DeployOptions | None = None) -> T
     plan = TofinoPlan(layouts)
     plan.entries.append(_entry(T_SWITCH_ADDRESS, {"dst_addr": ip_int(config.ip)},
                                "aggregator_address"))
-    for job in sorted(config.jobs, key=lambda j: j.job):
+    for job in jobs_in_order(config):
         layout = layouts[job.job]
         plan.entries += job_entries(config, job, layout, options)
         nodes, group = multicast(job, layout, options)
@@ -533,13 +489,8 @@ def counters_from_cells(layouts: dict[int, JobLayout], job_cells: dict[int, int]
 
     Without a drop-report port the TM's drops are not seen by the program: the two DLCP
     drop counters are then None (unknown), never a number that looks measured."""
-    glob = {name: int(global_cells.get(cell, 0)) for name, cell in GLOBAL_CELLS.items()}
-    glob.update({name: int(dlcp_cells.get(cell, 0)) for name, cell in DLCP_CELLS.items()})
+    job_parts = {name: tuple(JOB_CELLS[c] for c in parts) for name, parts in JOB_NAMES.items()}
+    out = job_plan.counters_from_cells(layouts, job_parts, job_cells, global_cells, dlcp_cells)
     if not drops_reported:
-        glob["dlcp_selective_drop"] = glob["dlcp_buffer_drop"] = None
-    jobs = {}
-    for job, layout in layouts.items():
-        cells = {name: int(job_cells.get(layout.counter_base + cell, 0))
-                 for name, cell in JOB_CELLS.items()}
-        jobs[job] = {name: sum(cells[c] for c in parts) for name, parts in JOB_NAMES.items()}
-    return {"global": glob, "jobs": jobs}
+        out["global"]["dlcp_selective_drop"] = out["global"]["dlcp_buffer_drop"] = None
+    return out

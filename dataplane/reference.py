@@ -25,22 +25,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dataplane.config import (AGG_PORT_BASE, AGG_PORT_MASK, MAX_VALUES, NUM_QUEUES,
-                              PROTOCOL_VERSION, Job, Member, SwitchConfig)
+from dataplane.config import (MAX_VALUES, NUM_QUEUES, PROTOCOL_VERSION, Job, Member,
+                              SwitchConfig)
+from dataplane.wire import (AGG_PORT_BASE, AGG_PORT_MASK, FLAG_LATE, FLAG_RESERVE, HEADER_LEN,
+                            HEADER_STRUCT, L2L4_LEN, TYPE_DATA, TYPE_FLUSH, TYPE_RESULT,
+                            TYPE_STRAGGLER, payload_len)
 
 MAX_SLOTS = 65536              # slots per job (§8); MAX_VALUES (8192) comes with the config
 
-HEADER_LEN = 32
-L2L4_LEN = 42                  # Ethernet 14 + IPv4 20 + UDP 8
-TYPE_DATA, TYPE_RESULT, TYPE_STRAGGLER, TYPE_FLUSH = 0, 1, 2, 3
-FLAG_RESERVE, FLAG_LATE = 0x02, 0x04
 ECN_MASK, ECN_CE = 0x03, 0x03
 IP_MF, IP_FRAG_OFFSET = 0x2000, 0x1FFF
 ROUND_MOD, ROUND_HALF = 1 << 32, 1 << 31
-
-# ver_type flags job slot worker min_count round expected contributors tensor offset
-# num_values count reserved  (docs/protocol.md §2)
-_HEADER = struct.Struct(">BBHHBBIIIIIHBB")
 
 JOB_COUNTERS = ("rx", "aggregated", "results_multicast", "results_reserved",
                 "straggler_notices", "flushes", "drop_bad_slot", "drop_not_member",
@@ -310,7 +305,7 @@ class ReferenceSwitch:
         if len(data) < HEADER_LEN:
             g["drop_truncated"] += 1
             return []
-        h = _HEADER.unpack_from(data)
+        h = HEADER_STRUCT.unpack_from(data)
         ver_type, flags, job_id, slot, worker, min_count, round_, expected = h[:8]
         num_values = h[11]
         if ver_type >> 4 != PROTOCOL_VERSION:
@@ -320,8 +315,7 @@ class ReferenceSwitch:
         if ptype != TYPE_DATA and ptype != TYPE_FLUSH:
             g["drop_bad_type"] += 1
             return []
-        payload_len = (num_values + 1) // 2 if ptype == TYPE_DATA else 0
-        if (not l34_ok or udp_payload_len != HEADER_LEN + payload_len
+        if (not l34_ok or udp_payload_len != HEADER_LEN + payload_len(ptype, num_values)
                 or (ptype == TYPE_DATA and not 1 <= num_values <= MAX_VALUES)):
             g["drop_bad_length"] += 1
             return []
@@ -402,9 +396,9 @@ class ReferenceSwitch:
         h = state.result_header[c]
         bitmap = state.bitmap[c]
         num_values = h[11]
-        header = _HEADER.pack((PROTOCOL_VERSION << 4) | TYPE_RESULT, flags, h[2], h[3], worker,
-                              h[5], h[6], h[7], bitmap, h[9], h[10], num_values,
-                              _popcount(bitmap), 0)
+        header = HEADER_STRUCT.pack((PROTOCOL_VERSION << 4) | TYPE_RESULT, flags, h[2], h[3],
+                                    worker, h[5], h[6], h[7], bitmap, h[9], h[10], num_values,
+                                    _popcount(bitmap), 0)
         return header + state.sums[c, :num_values].tobytes()
 
     def _reserve(self, state: _JobState, c: int, member: Member, tos: int) -> Reply:
@@ -414,9 +408,9 @@ class ReferenceSwitch:
         return Reply(member, self._result_bytes(state, c, member.worker, flags), tos)
 
     def _straggler(self, state: _JobState, c: int, member: Member, h: tuple, tos: int) -> Reply:
-        header = _HEADER.pack((PROTOCOL_VERSION << 4) | TYPE_STRAGGLER, h[1], h[2], h[3], h[4],
-                              h[5], state.copy_round[c], h[7], state.bitmap[c], h[9], h[10], 0,
-                              state.count[c], h[13])
+        header = HEADER_STRUCT.pack((PROTOCOL_VERSION << 4) | TYPE_STRAGGLER, h[1], h[2], h[3],
+                                    h[4], h[5], state.copy_round[c], h[7], state.bitmap[c], h[9],
+                                    h[10], 0, state.count[c], h[13])
         return Reply(member, header, tos)
 
     # ------------------------------------------------------------------ DLCP egress (§6)

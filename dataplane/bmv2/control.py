@@ -27,7 +27,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dataplane.config import (NUM_QUEUES, ConfigError, Job, SwitchConfig)
+from dataplane import job_plan
+from dataplane.config import NUM_QUEUES, ConfigError, Job, SwitchConfig
+from dataplane.job_plan import (JobLayout, check_job_capacity, job_layouts, jobs_in_order,
+                                lane_pairs, members_in_order, next_hop_bases, switch_ports)
 
 # ---- resource limits of p4src/v1model (headers.p4); keep in step with the P4 ----
 BMV2_MAX_VALUES = 64           # values per packet (protocol.md §8)
@@ -38,9 +41,9 @@ BMV2_DLCP_PORTS = 32           # DLCP_PORTS in headers.p4: switch ports 0..31
 INDEX_BYTES = BMV2_MAX_VALUES // 2
 BMV2_MAX_JOBS = 16
 BMV2_SLOT_BUDGET = 4096        # slots of all jobs together (two copies each)
-JOB_COUNTER_STRIDE = 16
 BMV2_MAX_ROUTES = 1024         # MAX_ROUTES in forwarding.p4
 BMV2_NEXT_HOP_SLOTS = 8192     # MAX_NEXT_HOP_SLOTS in forwarding.p4
+PLANE = "the BMv2 program"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 P4_SOURCE = REPO_ROOT / "p4src" / "v1model" / "main.p4"
@@ -63,17 +66,13 @@ C_GLOBAL = "SwitchIngress.global_counters"
 C_DLCP = "SwitchEgress.dlcp_admission.dlcp_counters"
 C_QUEUE_DEPARTURES = "SwitchEgress.dlcp_admission.queue_departures"
 
-# Counter cells (p4src/v1model/counters.p4) -> protocol.md §4.5 names.
+# Per-job counter cells (p4src/v1model/counters.p4): one per protocol.md §4.5 name. The
+# global and DLCP cells are the Tofino program's as well (dataplane/job_plan.py).
 JOB_COUNTER_CELLS = {
     "rx": 0, "aggregated": 1, "results_multicast": 2, "results_reserved": 3,
     "straggler_notices": 4, "flushes": 5, "drop_bad_slot": 6, "drop_not_member": 7,
     "drop_bad_expected": 8, "drop_duplicate": 9, "drop_unsatisfiable": 10,
 }
-GLOBAL_COUNTER_CELLS = {
-    "drop_truncated": 0, "drop_bad_version": 1, "drop_bad_type": 2, "drop_bad_length": 3,
-    "drop_unknown_job": 4, "drop_not_routable": 5, "forwarded": 6, "drop_fragment": 7,
-}
-DLCP_COUNTER_CELLS = {"dlcp_selective_drop": 0, "dlcp_buffer_drop": 1, "dlcp_ce_marked": 2}
 
 
 class P4ControlError(RuntimeError):
@@ -103,19 +102,6 @@ class MulticastGroup:
     replicas: tuple[tuple[int, int], ...]      # (egress port, instance = egress_rid)
 
 
-@dataclass(frozen=True)
-class JobLayout:
-    """Where a job lives inside the program's shared resources."""
-    job: int
-    index: int                 # counters cell block, multicast group index + 1
-    slot_base: int             # first slot in the shared slot registers
-    pool_size: int
-
-    @property
-    def group_id(self) -> int:
-        return self.index + 1  # group 0 means "no multicast" in BMv2
-
-
 @dataclass
 class SwitchPlan:
     layouts: dict[int, JobLayout]
@@ -140,51 +126,38 @@ def _lookup_table(position: int) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------- planning
-def job_layouts(config: SwitchConfig) -> dict[int, JobLayout]:
-    """Dense job indices and slot ranges; refuses what does not fit the BMv2 program."""
-    config.validate(max_slots=BMV2_SLOT_BUDGET, max_values=BMV2_MAX_VALUES,
-                    plane="the BMv2 program")
+def validate(config: SwitchConfig) -> None:
+    """dataplane.config's validation with the BMv2 program's limits, then what only its
+    limits refuse. Raises ConfigError saying what to change."""
+    config.validate(max_slots=BMV2_SLOT_BUDGET, max_values=BMV2_MAX_VALUES, plane=PLANE)
     if config.dlcp.capacity > BMV2_MAX_CAPACITY:
         raise ConfigError(f"dlcp: capacity {config.dlcp.capacity} exceeds the BMv2 program's "
                           f"limit of {BMV2_MAX_CAPACITY} packets (its queue depth, below "
                           f"DLCP_HISTORY = {BMV2_DLCP_HISTORY}); lower capacity")
-    ports = sorted({m.port for j in config.jobs for m in j.members}
-                   | {p for r in config.routes for p, _ in r.next_hops})
+    ports = switch_ports(config)
     if ports and ports[-1] >= BMV2_DLCP_PORTS:
         raise ConfigError(f"switch port {ports[-1]}: the BMv2 program keeps DLCP queue state "
                           f"for ports 0..{BMV2_DLCP_PORTS - 1} (DLCP_PORTS in "
                           "p4src/v1model/headers.p4); renumber the ports")
-    if len(config.jobs) > BMV2_MAX_JOBS:
-        raise ConfigError(f"{len(config.jobs)} jobs; the BMv2 program holds at most "
-                          f"{BMV2_MAX_JOBS} (MAX_JOBS in p4src/v1model/headers.p4)")
-    total = sum(j.pool_size for j in config.jobs)
-    if total > BMV2_SLOT_BUDGET:
-        sizes = ", ".join(f"job {j.job}: {j.pool_size}" for j in config.jobs)
-        raise ConfigError(f"the jobs ask for {total} slots ({sizes}); the BMv2 program has "
-                          f"{BMV2_SLOT_BUDGET} in all: lower pool_size")
-    layouts, base = {}, 0
-    for index, job in enumerate(sorted(config.jobs, key=lambda j: j.job)):
-        layouts[job.job] = JobLayout(job.job, index, base, job.pool_size)
-        base += job.pool_size
-    return layouts
+    check_job_capacity(config, PLANE, BMV2_MAX_JOBS, BMV2_SLOT_BUDGET,
+                       "MAX_JOBS in p4src/v1model/headers.p4")
 
 
 def lookup_entries(job: Job) -> list[Entry]:
     """The 256-entry byte table of every byte position: b -> (T[b >> 4], T[b & 15])."""
-    table = [int(v) for v in job.table]
+    pairs = lane_pairs(job)
     entries = []
     for position in range(INDEX_BYTES):
         name, action = _lookup_table(position)
-        for byte in range(256):
+        for byte, (high, low) in enumerate(pairs):
             entries.append(_entry(name, {"job": job.job, "index_byte.packed": byte}, action,
-                                  {"high_value": table[byte >> 4],
-                                   "low_value": table[byte & 0x0F]}))
+                                  {"high_value": high, "low_value": low}))
     return entries
 
 
 def multicast_group(job: Job, layout: JobLayout) -> MulticastGroup:
     """One replica per member, in worker-id order (protocol.md §5.1), rid = worker id."""
-    members = sorted(job.members, key=lambda m: m.worker)
+    members = members_in_order(job)
     return MulticastGroup(layout.group_id, tuple((m.port, m.worker) for m in members))
 
 
@@ -194,7 +167,7 @@ def job_entries(config: SwitchConfig, job: Job, layout: JobLayout) -> list[Entry
                        "pool_size": layout.pool_size,
                        "values_per_packet": job.values_per_packet,
                        "member_mask": job.member_mask, "member_count": job.member_count})]
-    for m in sorted(job.members, key=lambda m: m.worker):
+    for m in members_in_order(job):
         # A member is its whole address: port, MAC, IPv4, UDP port (protocol.md §4.1).
         entries.append(_entry(T_MEMBERS, {"hdr.agg.job": job.job, "hdr.agg.worker": m.worker,
                                           "standard_metadata.ingress_port": m.port,
@@ -231,8 +204,8 @@ def route_entries(config: SwitchConfig) -> list[Entry]:
     if len(config.routes) > BMV2_MAX_ROUTES:
         raise ConfigError(f"{len(config.routes)} routes; the BMv2 program holds at most "
                           f"{BMV2_MAX_ROUTES}")
-    entries, group_base = [], 0
-    for index, r in enumerate(config.routes):
+    entries, bases = [], next_hop_bases(config)
+    for index, (r, group_base) in enumerate(zip(config.routes, bases)):
         net = ipaddress.IPv4Network(r.prefix, strict=False)
         hops = r.next_hops
         entries.append(_entry(T_ROUTES, {"hdr.ipv4.dst_addr": str(net)},
@@ -243,9 +216,9 @@ def route_entries(config: SwitchConfig) -> list[Entry]:
             entries.append(_entry(T_NEXT_HOPS, {"next_hop_index": group_base + offset},
                                   "SwitchIngress.ipv4_forwarding.set_next_hop",
                                   {"port": port, "next_hop_mac": mac}))
-        group_base += len(hops)
-    if group_base > BMV2_NEXT_HOP_SLOTS:
-        raise ConfigError(f"{group_base} next hops in all routes; the BMv2 program holds at "
+    hops = sum(len(r.next_hops) for r in config.routes)
+    if hops > BMV2_NEXT_HOP_SLOTS:
+        raise ConfigError(f"{hops} next hops in all routes; the BMv2 program holds at "
                           f"most {BMV2_NEXT_HOP_SLOTS}")
     return entries
 
@@ -258,9 +231,10 @@ def own_address_entry(config: SwitchConfig) -> Entry:
 
 def plan_switch(config: SwitchConfig) -> SwitchPlan:
     """Everything to install for `config`; raises ConfigError with what to change."""
+    validate(config)
     layouts = job_layouts(config)
     plan = SwitchPlan(layouts, [own_address_entry(config)])
-    for job in sorted(config.jobs, key=lambda j: j.job):
+    for job in jobs_in_order(config):
         plan.entries.extend(job_entries(config, job, layouts[job.job]))
         plan.groups.append(multicast_group(job, layouts[job.job]))
     plan.entries.extend(dlcp_entries(config))
@@ -271,21 +245,19 @@ def plan_switch(config: SwitchConfig) -> SwitchPlan:
 def counters_from_cells(layouts: dict[int, JobLayout], job_cells: dict[int, int],
                         global_cells: dict[int, int], dlcp_cells: dict[int, int]) -> dict:
     """Counter cells read from the switch -> the {"global", "jobs"} dict of §4.5."""
-    glob = {name: int(global_cells.get(cell, 0)) for name, cell in GLOBAL_COUNTER_CELLS.items()}
-    glob.update({name: int(dlcp_cells.get(cell, 0)) for name, cell in DLCP_COUNTER_CELLS.items()})
-    jobs = {}
-    for job, layout in layouts.items():
-        base = layout.index * JOB_COUNTER_STRIDE
-        jobs[job] = {name: int(job_cells.get(base + cell, 0))
-                     for name, cell in JOB_COUNTER_CELLS.items()}
-    return {"global": glob, "jobs": jobs}
+    job_parts = {name: (cell,) for name, cell in JOB_COUNTER_CELLS.items()}
+    return job_plan.counters_from_cells(layouts, job_parts, job_cells, global_cells, dlcp_cells)
 
 
 # --------------------------------------------------------------------------- the switch
+# p4runtime-shell and what comes with it (grpc, the p4.v1 and google.rpc protobuf modules)
+# are imported inside the methods that talk to a switch, not at module level: plan_switch,
+# --plan and the tests run without them, and p4runtime-shell pulls in IPython (over half a
+# second). connect() imports it first, through _shell(), with a clear error when it is missing.
 def _shell():
     try:
         import p4runtime_sh.shell as shell
-    except ImportError as exc:      # lazy: planning and the tests run without it
+    except ImportError as exc:
         raise P4ControlError("p4runtime-shell is not installed: make venv "
                              "(or pip install p4runtime-shell)") from exc
     return shell

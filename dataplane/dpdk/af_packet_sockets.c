@@ -8,8 +8,8 @@
  *    (rte_eth_af_packet.c; no devarg changes it before DPDK 24), so the kernel
  *    reassembles IPv4 fragments before the switch sees them: a lone fragment
  *    vanishes uncounted and two fragments of one DATA arrive as one packet.
- * 2. A poll loop that can sleep until a frame arrives (issue 12.5): the sockets'
- *    descriptors, to poll() on.
+ * 2. A poll loop that can sleep until a frame arrives, so that an idle switch
+ *    leaves the CPU alone: the sockets' descriptors, to poll() on.
  *
  * This definition of setsockopt comes first in the symbol lookup of every
  * library the process loads (the executable exports it, see the Makefile). The

@@ -2,8 +2,8 @@
  *
  * THC-INA switch core: the wire protocol of docs/protocol.md (v2) on plain byte
  * buffers. Nothing here depends on DPDK, so the same code runs in the DPDK
- * application (main.c), in the sanitizer fuzz harness (fuzz_harness.c) and in the
- * benchmark. The caller owns packet buffers; the core parses, validates, updates
+ * application (main.c and the files of switch_app.h), in the sanitizer fuzz
+ * harness (fuzz_harness.c) and in the benchmark (bench.c). The caller owns packet buffers; the core parses, validates, updates
  * slot state and writes the frames it emits into buffers the caller hands it.
  */
 #ifndef AGG_CORE_H

@@ -7,15 +7,15 @@ tensors at once. The test suite checks the two agree byte for byte.
 """
 from .codec import (decode_headers, encode_data, encode_headers, encode_results,
                     header_types, header_versions, scatter_payloads)
-from .constants import (AGG_PORT_BASE, AGG_PORT_COUNT, AGG_PORT_MASK, FLAG_LATE, FLAG_RESERVE,
-                        FLAG_RETX, HEADER_DTYPE, HEADER_LEN, L2L4_LEN, TYPE_DATA, TYPE_FLUSH,
-                        TYPE_NAMES, TYPE_RESULT, TYPE_STRAGGLER, VERSION, is_agg_port,
-                        payload_len)
+from .constants import (AGG_FRAME_OVERHEAD, AGG_PORT_BASE, AGG_PORT_COUNT, AGG_PORT_MASK,
+                        FLAG_LATE, FLAG_RESERVE, FLAG_RETX, HEADER_DTYPE, HEADER_LEN, L2L4_LEN,
+                        TYPE_DATA, TYPE_FLUSH, TYPE_NAMES, TYPE_RESULT, TYPE_STRAGGLER, VERSION,
+                        is_agg_port, payload_len)
 from .frames import ParsedFrame, ipv4_checksum, ipv4_checksums, parse_frame, wrap_frames
 from .layer import AggHeader
 
 __all__ = [
-    "AggHeader", "HEADER_DTYPE", "HEADER_LEN", "L2L4_LEN", "VERSION",
+    "AggHeader", "HEADER_DTYPE", "HEADER_LEN", "L2L4_LEN", "AGG_FRAME_OVERHEAD", "VERSION",
     "TYPE_DATA", "TYPE_RESULT", "TYPE_STRAGGLER", "TYPE_FLUSH", "TYPE_NAMES",
     "FLAG_RETX", "FLAG_RESERVE", "FLAG_LATE",
     "AGG_PORT_BASE", "AGG_PORT_MASK", "AGG_PORT_COUNT", "is_agg_port", "payload_len",

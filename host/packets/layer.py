@@ -11,28 +11,35 @@ from scapy.fields import (BitEnumField, BitField, ByteField, FlagsField, IntFiel
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_bottom_up, bind_top_down
 
-from .constants import AGG_PORT_BASE, AGG_PORT_COUNT, TYPE_NAMES, VERSION, payload_len
+from .constants import (AGG_PORT_BASE, AGG_PORT_COUNT, FLAG_NAMES, HEADER_FIELDS, TYPE_DATA,
+                        TYPE_NAMES, VERSION, payload_len)
+
+# Field type by size in bytes; the two bitmaps of workers are shown in hex.
+_FIELD_BY_SIZE = {1: ByteField, 2: ShortField, 4: IntField}
+_BITMAPS = ("expected", "contributors")
+
+
+def _header_fields() -> list:
+    """The scapy fields of HEADER_FIELDS (dataplane/wire.py), in wire order."""
+    fields = []
+    for name, size in HEADER_FIELDS:
+        if name == "ver_type":          # one byte, two nibbles (docs/protocol.md §2)
+            fields += [BitField("version", VERSION, 4),
+                       BitEnumField("type", TYPE_DATA, 4, TYPE_NAMES)]
+        elif name == "flags":
+            bits = 8 * size
+            fields.append(FlagsField(name, 0, bits,
+                                     [FLAG_NAMES.get(1 << bit, f"F{bit}") for bit in range(bits)]))
+        elif name in _BITMAPS:
+            fields.append(XIntField(name, 0))
+        else:
+            fields.append(_FIELD_BY_SIZE[size](name, 0))
+    return fields
 
 
 class AggHeader(Packet):
     name = "AGG"
-    fields_desc = [
-        BitField("version", VERSION, 4),
-        BitEnumField("type", 0, 4, TYPE_NAMES),
-        FlagsField("flags", 0, 8, ["RETX", "RESERVE", "LATE", "F3", "F4", "F5", "F6", "F7"]),
-        ShortField("job", 0),
-        ShortField("slot", 0),
-        ByteField("worker", 0),
-        ByteField("min_count", 0),
-        IntField("round", 0),
-        XIntField("expected", 0),
-        XIntField("contributors", 0),
-        IntField("tensor", 0),
-        IntField("offset", 0),
-        ShortField("num_values", 0),
-        ByteField("count", 0),
-        ByteField("reserved", 0),
-    ]
+    fields_desc = _header_fields()
 
     def extract_padding(self, s):
         # The payload length follows from type and num_values; anything after it is

@@ -13,7 +13,8 @@ from scapy.layers.l2 import ARP, Ether
 from scapy.packet import Raw
 
 from dataplane.config import Dlcp, Job, Member, Route, SwitchConfig, default_thresholds
-from host.packets import AGG_PORT_BASE, TYPE_DATA, TYPE_FLUSH, AggHeader
+from host.packets import (AGG_FRAME_OVERHEAD, AGG_PORT_BASE, L2L4_LEN, TYPE_DATA, TYPE_FLUSH,
+                          AggHeader)
 
 SWITCH_MAC, SWITCH_IP = "02:00:00:00:00:fe", "10.0.0.254"
 TABLE = (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 24, 27, 30)
@@ -79,10 +80,10 @@ def mutate(frame: bytes, rng) -> bytes:
         b = b[:rng.integers(0, len(b) + 1)]
     elif kind == 2:
         b += rng.integers(0, 256, rng.integers(1, 64)).astype(np.uint8).tobytes()
-    elif kind == 3 and len(b) >= 74:
-        pos = 42 + rng.choice([0, 1, 2, 4, 6, 7, 8, 12, 28, 29])
+    elif kind == 3 and len(b) >= AGG_FRAME_OVERHEAD:
+        pos = L2L4_LEN + rng.choice([0, 1, 2, 4, 6, 7, 8, 12, 28, 29])
         b[pos] = rng.integers(0, 256)
-    elif len(b) >= 42:
+    elif len(b) >= L2L4_LEN:
         pos = rng.choice([14, 16, 17, 23, 36, 37, 38, 39])   # IHL, lengths, proto, ports
         b[pos] = rng.integers(0, 256)
     return bytes(b)

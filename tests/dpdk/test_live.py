@@ -1,6 +1,6 @@
 """The switch live on veth pairs (net_af_packet), as on the testbed: real interfaces,
 real raw sockets, stats on SIGUSR1 and on exit; jumbo frames, IPv4 fragments and an
-idle switch that leaves the CPU alone (issues 11.1, 11.4, 11.6, 12.5)."""
+idle switch that leaves the CPU alone."""
 import json
 import os
 import shutil
@@ -19,7 +19,7 @@ from dataplane.config import DEFAULT_VALUES_PER_PACKET, Job, Member, Route, Swit
 from dataplane.dpdk_config import DPDK_MAX_VALUES, write_config
 from dataplane.dpdk_runner import (HostService, LiveSwitch, TapService, af_packet_vdevs, eal_args,
                                    process_cpu_seconds)
-from host.packets import TYPE_RESULT, parse_frame
+from host.packets import AGG_PORT_BASE, HEADER_LEN, L2L4_LEN, TYPE_RESULT, parse_frame
 
 from . import streams
 
@@ -140,7 +140,7 @@ def test_af_packet_round_and_stats_on_sigusr1(switch_bin, veths, host_socks, tmp
 
 
 def test_many_counter_reads_do_not_stall_the_switch(switch_bin, veths, host_socks):
-    """Issue 11.1: counters read 300 times (the old stdout copy of them was ~250 KiB, far
+    """Stats to a file: counters read 300 times (the old stdout copy of them was ~250 KiB, far
     past a 64 KiB pipe nobody reads), then a normal round still gets its RESULTs."""
     cfg = streams.config(n_workers=2, pool_size=4)
     with LiveSwitch(cfg, af_packet_vdevs([sw for sw, _ in veths])) as switch:
@@ -162,12 +162,12 @@ def ordinary(size: int) -> bytes:
     head = Ether(dst=streams.SWITCH_MAC, src="02:00:00:00:09:01") / IP(src="10.9.0.1",
                                                                      dst="10.2.0.9") \
         / UDP(sport=1234, dport=4321)
-    return bytes(head / Raw((bytes(range(256)) * (size // 256 + 1))[:size - 42]))
+    return bytes(head / Raw((bytes(range(256)) * (size // 256 + 1))[:size - L2L4_LEN]))
 
 
 def test_jumbo_frames_are_forwarded_whole_and_longer_ones_dropped_and_counted(
         switch_bin, veths, host_socks):
-    """Issue 11.6 live: a 4000-byte ordinary frame leaves whole (the old switch cut it to
+    """Jumbo frames live: a 4000-byte ordinary frame leaves whole (the old switch cut it to
     1982 bytes, IP length unchanged); 9300- and 12000-byte frames (longer than the
     switch's 9216, the second also longer than its af_packet ring frame) are dropped and
     counted, never sent cut."""
@@ -199,7 +199,7 @@ def test_default_af_packet_rings_never_forward_a_cut_frame(switch_bin, veths, ho
 
 
 def test_fragments_reach_the_switch_as_they_are(switch_bin, veths, host_socks):
-    """Issue 11.4 live: the af_packet PMD's kernel reassembly is off. An ordinary UDP
+    """IPv4 fragments live: the af_packet PMD's kernel reassembly is off. An ordinary UDP
     datagram in two fragments leaves as two fragments, untouched but for the MACs, and
     a lone non-first fragment is forwarded too (the kernel used to reassemble the first
     and swallow the second). Two fragments of a DATA are not aggregated as one packet."""
@@ -232,7 +232,7 @@ def test_fragments_reach_the_switch_as_they_are(switch_bin, veths, host_socks):
 
 
 def test_idle_switch_leaves_the_cpu_alone(switch_bin, veths):
-    """Issue 12.5: with no traffic the adaptive poll loop sleeps; the busy loop took a
+    """Idle CPU: with no traffic the adaptive poll loop sleeps; the busy loop took a
     whole core. (The <= 5% target is measured by host.experiments.bench_dpdk; this machine is
     shared, so the bound here is generous.)"""
     with LiveSwitch(streams.config(n_workers=2), af_packet_vdevs([sw for sw, _ in veths])) \
@@ -266,13 +266,13 @@ def udp_round(service_cls, values: int, **kw):
             for w, s in enumerate(socks):
                 frame = streams.data_frame(cfg.jobs[0].members[w], idx[w], job=4, slot=5,
                                            round_=0, expected=0b111)
-                s.sendto(frame[42:], (cfg.ip, 50000))       # AGG header + payload only
+                s.sendto(frame[L2L4_LEN:], (cfg.ip, AGG_PORT_BASE))   # AGG header + payload
             want = np.asarray(streams.TABLE)[idx].sum(axis=0).astype(np.uint8)
             for w, s in enumerate(socks):
                 data, (src_ip, src_port) = s.recvfrom(65536)
-                assert (src_ip, src_port) == (cfg.ip, 50000)
+                assert (src_ip, src_port) == (cfg.ip, AGG_PORT_BASE)
                 assert data[0] == 0x21 and data[6] == w             # v2 RESULT for worker w
-                np.testing.assert_array_equal(np.frombuffer(data[32:], np.uint8), want)
+                np.testing.assert_array_equal(np.frombuffer(data[HEADER_LEN:], np.uint8), want)
             stats = service.counters()
             assert stats["jobs"]["4"]["aggregated"] == 3
             assert stats["jobs"]["4"]["results_multicast"] == 1
@@ -283,9 +283,9 @@ def udp_round(service_cls, values: int, **kw):
             socks.append(stranger)
             stranger.bind(("0.0.0.0", 0))
             forged = streams.data_frame(cfg.jobs[0].members[0], idx[0], job=4, slot=6,
-                                        round_=0, expected=0b111)[42:]
-            socks[1].sendto(forged, (cfg.ip, 50000))
-            stranger.sendto(forged, (cfg.ip, 50000))
+                                        round_=0, expected=0b111)[L2L4_LEN:]
+            socks[1].sendto(forged, (cfg.ip, AGG_PORT_BASE))
+            stranger.sendto(forged, (cfg.ip, AGG_PORT_BASE))
             deadline = time.monotonic() + 5
             while service.counters()["jobs"]["4"]["drop_not_member"] < 2:
                 assert time.monotonic() < deadline, service.counters()

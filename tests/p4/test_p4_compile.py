@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from dataplane import job_plan
 from dataplane.config import Job, Member, Route, SwitchConfig
 from dataplane.bmv2 import control as pc
 
@@ -75,6 +76,6 @@ def test_counters_the_controller_reads_are_compiled(p4info):
     counters = {c.preamble.name: c.size for c in p4info.counters}
     for name in (pc.C_JOB, pc.C_GLOBAL, pc.C_DLCP, pc.C_QUEUE_DEPARTURES):
         assert name in counters, f"{name} is not a counter of the compiled program"
-    assert counters[pc.C_JOB] >= pc.BMV2_MAX_JOBS * pc.JOB_COUNTER_STRIDE
-    assert counters[pc.C_GLOBAL] > max(pc.GLOBAL_COUNTER_CELLS.values())
+    assert counters[pc.C_JOB] >= pc.BMV2_MAX_JOBS * job_plan.JOB_COUNTER_STRIDE
+    assert counters[pc.C_GLOBAL] > max(job_plan.GLOBAL_COUNTER_CELLS.values())
     assert counters[pc.C_QUEUE_DEPARTURES] == pc.BMV2_DLCP_PORTS * 8

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 
+from dataplane import job_plan
 from dataplane.config import Job, Member, Route, SwitchConfig
 from dataplane.bmv2 import control as pc
 from host.packets import HEADER_DTYPE
@@ -186,9 +187,9 @@ def test_counter_cells_and_limits_agree_with_the_controller():
               re.finditer(r"const bit<32>\s+(\w+)\s*=\s*(\d+);", counters)}
     for name, cell in pc.JOB_COUNTER_CELLS.items():
         assert consts[f"JC_{name.upper()}"] == cell
-    for name, cell in pc.GLOBAL_COUNTER_CELLS.items():
+    for name, cell in job_plan.GLOBAL_COUNTER_CELLS.items():
         assert consts[f"GC_{name.upper()}"] == cell
-    for name, cell in pc.DLCP_COUNTER_CELLS.items():
+    for name, cell in job_plan.DLCP_COUNTER_CELLS.items():
         assert consts[f"DC_{name.upper().removeprefix('DLCP_')}"] == cell
     defines = {m.group(1): int(m.group(2))
                for m in re.finditer(r"#define\s+(\w+)\s+(\d+)", headers + counters)}
@@ -197,17 +198,17 @@ def test_counter_cells_and_limits_agree_with_the_controller():
     assert defines["MAX_JOBS"] == pc.BMV2_MAX_JOBS
     assert defines["SLOT_BUDGET"] == pc.BMV2_SLOT_BUDGET
     assert defines["SLOT_COPIES"] == 2 * defines["SLOT_BUDGET"]
-    assert defines["JOB_COUNTER_STRIDE"] == pc.JOB_COUNTER_STRIDE
+    assert defines["JOB_COUNTER_STRIDE"] == job_plan.JOB_COUNTER_STRIDE
 
 
 def test_checksum_recomputed_and_drop_reasons_all_counted(source):
     assert re.search(r"update_checksum\(\s*hdr\.ipv4\.isValid\(\)\s*&&\s*meta\.ipv4_changed",
                      source)
     ingress = controls(source)["SwitchIngress"]
-    for name in list(pc.GLOBAL_COUNTER_CELLS) + list(pc.JOB_COUNTER_CELLS):
+    for name in list(job_plan.GLOBAL_COUNTER_CELLS) + list(pc.JOB_COUNTER_CELLS):
         assert f"C_{name.upper()}" in ingress, name      # every counter has a counting site
     dlcp = controls(source)["DlcpAdmission"]
-    for name in pc.DLCP_COUNTER_CELLS:
+    for name in job_plan.DLCP_COUNTER_CELLS:
         assert f"DC_{name.upper().removeprefix('DLCP_')}" in dlcp
 
 
@@ -223,4 +224,4 @@ def test_counters_read_by_the_controller_exist(source):
     for inst, ctype in instances(ctl["SwitchEgress"], set(ctl)).items():
         found.update({f"SwitchEgress.{inst}.{n}": s for n, s in declared(ctl[ctype]).items()})
     assert {pc.C_JOB, pc.C_GLOBAL, pc.C_DLCP} <= set(found)
-    assert int(found[pc.C_DLCP]) > max(pc.DLCP_COUNTER_CELLS.values())
+    assert int(found[pc.C_DLCP]) > max(job_plan.DLCP_COUNTER_CELLS.values())

@@ -9,10 +9,12 @@ import socket
 import numpy as np
 import pytest
 
+from dataplane import job_plan
 from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
 from dataplane.reference import GLOBAL_COUNTERS, JOB_COUNTERS, ReferenceSwitch
 from dataplane.bmv2 import control as pc
-from host.packets import TYPE_RESULT, encode_data, parse_frame, wrap_frames
+from host.packets import (AGG_PORT_BASE, HEADER_LEN, TYPE_RESULT, encode_data, parse_frame,
+                          wrap_frames)
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 
@@ -186,10 +188,11 @@ def test_too_many_jobs_and_overflowing_job_are_refused():
 
 def test_counter_names_match_the_protocol():
     assert set(pc.JOB_COUNTER_CELLS) == set(JOB_COUNTERS)
-    assert set(pc.GLOBAL_COUNTER_CELLS) | set(pc.DLCP_COUNTER_CELLS) == set(GLOBAL_COUNTERS)
-    assert max(pc.JOB_COUNTER_CELLS.values()) < pc.JOB_COUNTER_STRIDE
-    layouts = pc.job_layouts(config(pools=(8, 8)))
-    stride = pc.JOB_COUNTER_STRIDE
+    assert set(job_plan.GLOBAL_COUNTER_CELLS) | set(job_plan.DLCP_COUNTER_CELLS) == \
+        set(GLOBAL_COUNTERS)
+    assert max(pc.JOB_COUNTER_CELLS.values()) < job_plan.JOB_COUNTER_STRIDE
+    layouts = job_plan.job_layouts(config(pools=(8, 8)))
+    stride = job_plan.JOB_COUNTER_STRIDE
     cells = {stride * 1 + 1: 5, stride * 0 + 9: 2}
     out = pc.counters_from_cells(layouts, cells, {6: 3}, {2: 4})
     assert out["jobs"][11]["aggregated"] == 5 and out["jobs"][10]["drop_duplicate"] == 2
@@ -272,11 +275,11 @@ def test_p4_lane_arithmetic_matches_the_reference():
         packed = (idx[0::2] << 4) | idx[1::2]
         bufs, lens = encode_data(packed, num_values, 64, job=job.job, worker=m.worker, tensor=1,
                                  slots=0, rounds=0, expected=job.expected_all)
-        payload = bufs[0, 32:lens[0]].tobytes()
+        payload = bufs[0, HEADER_LEN:lens[0]].tobytes()
         values = p4_value_words(plan, job.job, payload, num_values)
         words = [lane_add(w, v) for w, v in zip(words, values)]
         frame = wrap_frames(bufs, lens, src_mac=m.mac, dst_mac=cfg.mac, src_ip=m.ip, dst_ip=cfg.ip,
-                            sport=m.udp_port, dport=50000, tos=0)[0]
+                            sport=m.udp_port, dport=AGG_PORT_BASE, tos=0)[0]
         emitted += ref.process(m.port, frame, now=0.0)
     p4_bytes = b"".join(w.to_bytes(8, "big") for w in words)[:num_values]
     results = [parse_frame(f) for _, f in emitted]

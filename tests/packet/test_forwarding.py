@@ -8,7 +8,7 @@ exactly which packets must arrive, in which order, with which next-hop MAC.
 import pytest
 
 from dataplane.config import ConfigError, Route, SwitchConfig
-from host.packets import ipv4_checksum, parse_frame
+from host.packets import L2L4_LEN, ipv4_checksum, parse_frame
 from .scenario import SWITCH_MAC, check_counters, make_config, make_job, raw_frame
 
 SPRAY_3 = Route("10.20.0.0/16", 2, "02:00:00:00:14:02",
@@ -32,7 +32,7 @@ def flow_packets(src, dst: bytes, count: int, first_seq: int = 0) -> list[tuple[
 
 
 def seq_of(frame: bytes) -> int:
-    return int.from_bytes(frame[42:46], "big")
+    return int.from_bytes(frame[L2L4_LEN:L2L4_LEN + 4], "big")
 
 
 def by_port(got) -> dict[int, list[int]]:

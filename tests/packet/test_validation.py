@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 
 from dataplane.config import Route
-from host.packets import (TYPE_DATA, TYPE_FLUSH, TYPE_RESULT, TYPE_STRAGGLER, ipv4_checksum,
-                          parse_frame)
+from host.packets import (HEADER_LEN, L2L4_LEN, TYPE_DATA, TYPE_FLUSH, TYPE_RESULT,
+                          TYPE_STRAGGLER, ipv4_checksum, parse_frame)
 from .scenario import (SWITCH_MAC, check_counters, check_result, data_frames, header_bytes,
                        make_config, make_job, member, outputs, raw_frame, sums_of)
 
@@ -61,7 +61,7 @@ def malformed_cases(m0, m1, stranger, other_job, max_values):
     worker 0, attached to worker 0's switch port."""
     port, frame = raw_frame(m0, good_header() + GARBAGE)
     cases = [
-        ("truncated", "drop_truncated", "global", (port, frame[:42 + 31])),
+        ("truncated", "drop_truncated", "global", (port, frame[:L2L4_LEN + HEADER_LEN - 1])),
         ("truncated header only", "drop_truncated", "global",
          raw_frame(m0, good_header()[:20])),
         ("version 0", "drop_bad_version", "global",

@@ -169,9 +169,10 @@ def test_wrap_frames_matches_scapy_and_parses():
 
 
 def test_scapy_dissects_both_directions_and_strips_ethernet_padding():
-    to_agg = bytes(Ether() / IP() / UDP(sport=1234, dport=50007) / AggHeader(type=TYPE_FLUSH))
+    to_agg = bytes(Ether() / IP() / UDP(sport=1234, dport=AGG_PORT_BASE + 7)
+                   / AggHeader(type=TYPE_FLUSH))
     assert Ether(to_agg)[AggHeader].type == TYPE_FLUSH
-    from_agg = bytes(Ether() / IP() / UDP(sport=50000, dport=1234)
+    from_agg = bytes(Ether() / IP() / UDP(sport=AGG_PORT_BASE, dport=1234)
                      / AggHeader(type=TYPE_RESULT, num_values=2) / Raw(b"\x05\x06"))
     pkt = Ether(from_agg + b"\x00" * 6)          # trailing padding after the payload
     assert pkt[AggHeader].num_values == 2 and pkt[Raw].load == b"\x05\x06"

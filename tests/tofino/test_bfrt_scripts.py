@@ -15,6 +15,7 @@ import pytest
 from bfrt_scripts import deploy, setup_switch
 from bfrt_scripts import tofino_plan as tp
 from bfrt_scripts.bfrt_controls import BfrtWriter, ThcInaSwitch, as_int
+from dataplane import job_plan
 from dataplane import reference as ref
 from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
 from .bfrt_standin import BfrtStandIn, StandInError
@@ -273,8 +274,8 @@ def test_counters_are_read_under_the_protocols_names():
                                        base11 + tp.JOB_CELLS["complete"]: 2,
                                        base11 + tp.JOB_CELLS["duplicate"]: 1,
                                        base11 + tp.JOB_CELLS["flush"]: 3})
-    standin.counters[tp.C_GLOBAL][tp.GLOBAL_CELLS["drop_fragment"]] = 4
-    standin.counters[tp.C_DLCP][tp.DLCP_CELLS["dlcp_selective_drop"]] = 6
+    standin.counters[tp.C_GLOBAL][job_plan.GLOBAL_COUNTER_CELLS["drop_fragment"]] = 4
+    standin.counters[tp.C_DLCP][job_plan.DLCP_COUNTER_CELLS["dlcp_selective_drop"]] = 6
     out = switch.counters(plan)
     assert set(out["jobs"][10]) == set(ref.JOB_COUNTERS) | {"drop_unsatisfiable"}
     assert set(out["global"]) == set(ref.GLOBAL_COUNTERS) | {"drop_fragment"}
@@ -332,6 +333,21 @@ def test_deploy_refuses_plans_and_dry_runs_without_an_sde(tmp_path, capsys, monk
     assert spec["options"]["port_map"] == {"8": 16, "9": 17} and spec["mode"] == "install"
     assert deploy.main(["--config", str(good), "--job-file", str(job_file)]) == 2
     assert "no SDE" in capsys.readouterr().err
+
+
+def test_the_bfshell_side_imports_only_the_standard_library_and_the_project():
+    """The SDE's bfshell Python has no numpy or scapy: the planner, the controls and the
+    modules they share with the other planes (dataplane.wire, dataplane.job_plan) import
+    in a Python without site-packages (-S)."""
+    probe = ("import sys\n"
+             "import bfrt_scripts.bfrt_controls, bfrt_scripts.setup_switch\n"
+             "ours = {m.split('.')[0] for m in sys.modules} - {'__main__'}\n"
+             "print(sorted(ours - set(sys.stdlib_module_names) - set(sys.builtin_module_names)))\n"
+             "print('dataplane.wire' in sys.modules and 'dataplane.job_plan' in sys.modules)")
+    run = subprocess.run([sys.executable, "-S", "-c", probe], capture_output=True, text=True,
+                         cwd=deploy.REPO_ROOT, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["['bfrt_scripts', 'dataplane']", "True"]
 
 
 FAKE_BFSHELL = """#!{python}

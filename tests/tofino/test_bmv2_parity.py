@@ -11,6 +11,7 @@ import ipaddress
 import pytest
 
 from bfrt_scripts import tofino_plan as tp
+from dataplane import job_plan
 from dataplane.config import Job, Member, Route, SwitchConfig
 from dataplane.bmv2 import control as pc
 
@@ -63,7 +64,7 @@ def test_job_layout_is_the_same(plans):
     for j, params in bjobs.items():
         assert int(params["slot_base"]) == tjobs[j]["slot_base"]
         assert int(params["pool_size"]) == tjobs[j]["pool_size"]
-        assert int(params["job_index"]) * tp.JOB_COUNTER_STRIDE == tjobs[j]["counter_base"]
+        assert int(params["job_index"]) * job_plan.JOB_COUNTER_STRIDE == tjobs[j]["counter_base"]
         assert int(params["values_per_packet"]) == tjobs[j]["values_per_packet"]
         assert tstrays[j] == tp.Ternary(0, ~int(params["member_mask"]) & 0xFFFFFFFF)
         assert int(params["member_count"]) == tjobs[j]["member_count"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import struct
 import subprocess
 
 import numpy as np
@@ -17,8 +16,10 @@ import pytest
 from bfrt_scripts import bfrt_controls
 from bfrt_scripts import tofino_plan as tp
 from dataplane import config as dc
+from dataplane import job_plan
 from dataplane import reference as ref
 from dataplane.config import Job, Member, Route, SwitchConfig
+from dataplane.wire import HEADER_STRUCT
 from host.packets import HEADER_DTYPE
 from . import tna_source as ts
 
@@ -191,9 +192,9 @@ def test_table_sizes_hold_the_largest_plan(controls):
 
 def test_counters_the_readout_reads_exist(controls):
     counters = ts.bfrt_externs(controls, "counters")
-    assert ts.eval_int(counters[tp.C_JOB]) == tp.MAX_JOBS * tp.JOB_COUNTER_STRIDE
+    assert ts.eval_int(counters[tp.C_JOB]) == tp.MAX_JOBS * job_plan.JOB_COUNTER_STRIDE
     assert ts.eval_int(counters[tp.C_GLOBAL]) == tp.GLOBAL_COUNTER_CELLS_SIZE
-    assert ts.eval_int(counters[tp.C_DLCP]) > max(tp.DLCP_CELLS.values())
+    assert ts.eval_int(counters[tp.C_DLCP]) > max(job_plan.DLCP_COUNTER_CELLS.values())
 
 
 def test_counter_cells_and_names_agree_with_the_protocol():
@@ -202,14 +203,15 @@ def test_counter_cells_and_names_agree_with_the_protocol():
               re.finditer(r"const bit<\d+>\s+(\w+)\s*=\s*(\d+);", text)}
     for name, cell in tp.JOB_CELLS.items():
         assert consts[f"JC_{name.upper()}"] == cell
-    for name, cell in tp.GLOBAL_CELLS.items():
+    for name, cell in job_plan.GLOBAL_COUNTER_CELLS.items():
         assert consts[f"GC_{name.upper()}"] == cell
-    for name, cell in tp.DLCP_CELLS.items():
+    for name, cell in job_plan.DLCP_COUNTER_CELLS.items():
         assert consts[f"DC_{name.upper().removeprefix('DLCP_')}"] == cell
     assert set(tp.JOB_NAMES) == V2_JOB_COUNTERS
-    assert set(tp.GLOBAL_CELLS) | set(tp.DLCP_CELLS) == V2_GLOBAL_COUNTERS
-    assert max(tp.JOB_CELLS.values()) < tp.JOB_COUNTER_STRIDE
-    assert max(tp.GLOBAL_CELLS.values()) < tp.GLOBAL_COUNTER_CELLS_SIZE
+    assert set(job_plan.GLOBAL_COUNTER_CELLS) | set(job_plan.DLCP_COUNTER_CELLS) == \
+        V2_GLOBAL_COUNTERS
+    assert max(tp.JOB_CELLS.values()) < job_plan.JOB_COUNTER_STRIDE
+    assert max(job_plan.GLOBAL_COUNTER_CELLS.values()) < tp.GLOBAL_COUNTER_CELLS_SIZE
 
 
 def test_limits_agree_with_the_plan():
@@ -218,7 +220,7 @@ def test_limits_agree_with_the_plan():
     assert d["MAX_VALUES"] == tp.TOFINO_MAX_VALUES >= 64
     assert d["INDEX_BYTES"] * 2 == d["SUM_WORDS"] * 4 == d["MAX_VALUES"]
     assert (d["MAX_JOBS"], d["SLOT_BUDGET"], d["JOB_COUNTER_STRIDE"]) == \
-        (tp.MAX_JOBS, tp.SLOT_BUDGET, tp.JOB_COUNTER_STRIDE)
+        (tp.MAX_JOBS, tp.SLOT_BUDGET, job_plan.JOB_COUNTER_STRIDE)
     assert d["SLOT_COPIES"] == 2 * d["SLOT_BUDGET"]
     assert (d["MAX_ROUTES"], d["MAX_NEXT_HOP_SLOTS"]) == (tp.MAX_ROUTES, tp.NEXT_HOP_SLOTS)
     widths = {m.group(2): int(m.group(1))
@@ -346,7 +348,7 @@ def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
     table = controls["SwitchIngress"].tables["agg_checks"]
     rows = agg_checks_rows(controls)
     names = ts.constants(ts.preprocess())
-    cell_names = {f"GC_{n.upper()}": n for n in tp.GLOBAL_CELLS} | {
+    cell_names = {f"GC_{n.upper()}": n for n in job_plan.GLOBAL_COUNTER_CELLS} | {
         f"JC_{n.upper()}": n for n in tp.JOB_CELLS}
     cfg = full_config()
     full = tp.plan_switch(cfg)
@@ -372,10 +374,10 @@ def test_agg_checks_decide_like_the_reference(controls, monkeypatch):
         sw = ref.ReferenceSwitch(cfg)
         member = next((m for j in cfg.jobs if j.job == h["job"] for m in j.members
                        if m.worker == h["worker"]), None)
-        data = struct.pack(">BBHHBBIIIIIHBB", h["version"] << 4 | h["type"], 0, h["job"],
-                           h["slot"], h["worker"], h["min_count"], h["round"], h["expected"],
-                           0, 0, 0,
-                           h["num_values"], 0, 0) + bytes(max(payload, 0))
+        data = HEADER_STRUCT.pack(h["version"] << 4 | h["type"], 0, h["job"],
+                                  h["slot"], h["worker"], h["min_count"], h["round"],
+                                  h["expected"], 0, 0, 0,
+                                  h["num_values"], 0, 0) + bytes(max(payload, 0))
         sw.handle_agg(member.port if member else 7, data, udp_payload_len, True, 0)
         before = ref.ReferenceSwitch(cfg).counters()
         moved = {n for n, v in sw.counters()["global"].items() if v != before["global"][n]}
@@ -426,8 +428,8 @@ def test_four_lanes_in_one_32_bit_add_match_the_reference():
 
 
 def struct_pack_data(version, job, worker, expected, num_values) -> bytes:
-    return struct.pack(">BBHHBBIIIIIHBB", version << 4, 0, job, 0, worker, 0, 0, expected, 0,
-                       0, 0, num_values, 0, 0)
+    return HEADER_STRUCT.pack(version << 4, 0, job, 0, worker, 0, 0, expected, 0,
+                              0, 0, num_values, 0, 0)
 
 
 def ce_step_entries() -> list[tuple[int, int | None, int]]:

@@ -12,14 +12,15 @@ reference speaks protocol v2) goes through both; every emitted AGG packet and ev
 per-job counter must agree byte for byte."""
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 
 from bfrt_scripts import tofino_plan as tp
+from dataplane import job_plan
 from dataplane import reference as ref
 from dataplane.config import Job, Member, SwitchConfig
+from dataplane.wire import (FLAG_LATE, FLAG_RESERVE, HEADER_STRUCT as HEADER, TYPE_DATA,
+                            TYPE_FLUSH, TYPE_RESULT, TYPE_STRAGGLER)
 
 from . import tna_source as ts
 
@@ -27,8 +28,6 @@ NAMES = ts.constants(ts.preprocess())
 
 M32 = 0xFFFFFFFF
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
-HEADER = struct.Struct(">BBHHBBIIIIIHBB")
-TYPE_DATA, TYPE_RESULT, TYPE_STRAGGLER, TYPE_FLUSH = 0, 1, 2, 3
 
 
 def decide(control: str, table: str, answers: dict[str, int]) -> tuple[str, str]:
@@ -50,7 +49,7 @@ class TnaSlotModel:
     """SlotState, ResultFields, SumWord (x16), BuildAggReply and ResultShape of
     aggregation.p4 for one job, registers as dicts (0 at start, as after loading)."""
 
-    def __init__(self, job: Job, layout: tp.JobLayout, plan: tp.TofinoPlan):
+    def __init__(self, job: Job, layout: job_plan.JobLayout, plan: tp.TofinoPlan):
         self.job, self.layout = job, layout
         self.reg: dict[str, dict] = {name: {} for name in (
             "occupancy", "copy_round", "copy_seen", "copy_left", "copy_contributors",
@@ -178,8 +177,8 @@ class TnaSlotModel:
                                 min_count, round_, expected, contributors, tensor, offset,
                                 nv, count, 0) + body
                     for m in sorted(self.job.members, key=lambda m: m.worker)]
-        late = 0x04 if contributors & wbit == 0 else 0
-        return [HEADER.pack(ver_type & 0xF0 | TYPE_RESULT, 0x02 | late, job, slot, worker,
+        late = FLAG_LATE if contributors & wbit == 0 else 0
+        return [HEADER.pack(ver_type & 0xF0 | TYPE_RESULT, FLAG_RESERVE | late, job, slot, worker,
                             fields["min_count"], round_, fields["expected"], contributors,
                             fields["tensor"], fields["offset"], nv, count, 0) + body]
 
