@@ -12,8 +12,8 @@ import sys
 
 from tqdm import tqdm
 
-from host.netlab.testbed.network import (SWITCH_KINDS, TestbedError, TestbedOptions, cleanup_leftovers,
-                      run_testbed)
+from host.netlab.testbed.network import (SWITCH_KINDS, TestbedError, TestbedOptions,
+                                         cleanup_leftovers, run_testbed)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def plot(result, path: str) -> None:
-    import matplotlib
+    import matplotlib       # only --plot needs it (about a second to import)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = sorted(result.hosts)

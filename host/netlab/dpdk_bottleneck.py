@@ -1,11 +1,11 @@
-"""A live DLCP bottleneck on network namespaces, for the DPDK switch or the reference model.
+"""Probe traffic for a live DLCP bottleneck: senders, a capture, and the §6 oracle.
 
-Topology: one namespace per host (senders and one receiver), each joined to the root
-namespace by a veth pair. The switch (``dataplane.dpdk_runner.LiveSwitch`` with
-net_af_packet, or ``host.dlcp.switchbox``) owns the root-side ends; it answers no ARP,
-so every host has a static neighbour entry for its gateway pointing at the switch MAC,
-and the switch routes each host's /24 to that host's port (plain IPv4 forwarding, which
-goes through the same DLCP egress stage as aggregation traffic, docs/protocol.md §6).
+The bottleneck itself is a `host.netlab.topology.Topology` in the "routed" layout: one
+namespace per host (senders and one receiver), each joined to the root namespace by a
+veth pair whose root end is a port of the switch (``dataplane.dpdk_runner.LiveSwitch``
+with net_af_packet, or ``host.dlcp.switchbox``), which routes each host's /24 to its
+port (plain IPv4 forwarding, which goes through the same DLCP egress stage as
+aggregation traffic, docs/protocol.md §6).
 
 Probe traffic is plain UDP sent with a per-packet ToS byte (IP_TOS), so the senders are
 the kernel's real UDP stack; the receiver captures whole frames with an AF_PACKET socket
@@ -16,18 +16,16 @@ until the input is in, then strict priority), the oracle the tests compare switc
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import struct
-import subprocess
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from dataplane.config import Dlcp, Route, SwitchConfig
+from dataplane.config import Dlcp
+from host.netlab.links import in_netns
+from host.netlab.topology import Host
 
-CLONE_NEWNET = 0x40000000
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
 PROBE_MAGIC = b"DLQP"
@@ -38,8 +36,6 @@ ECN_CE = 0x03
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 TIMESPEC = struct.Struct("@qq")
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)   # root may exceed rmem_max
-
-_libc = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 def live_switch_skip_reason() -> str | None:
@@ -57,127 +53,11 @@ def live_switch_skip_reason() -> str | None:
     return None
 
 
-class NetnsError(RuntimeError):
-    """Setting up the namespaces failed; the message has the command and its error."""
-
-
-def sh(*args: str) -> None:
-    res = subprocess.run(args, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise NetnsError(f"{' '.join(args)}: {res.stderr.strip() or res.returncode}")
-
-
-def in_netns(ns: str, fn, *args):
-    """fn(*args) run in network namespace `ns`; sockets it opens stay in that namespace.
-
-    setns(CLONE_NEWNET) moves only the calling thread, so a short-lived thread does it
-    and this process's other threads keep the root namespace.
-    """
-    box: dict = {}
-
-    def run():
-        try:
-            fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-            try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns into {ns}: {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            box["value"] = fn(*args)
-        except BaseException as exc:        # handed to the caller below
-            box["error"] = exc
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-@dataclass(frozen=True)
-class Host:
-    ns: str              # namespace name
-    root_if: str         # veth end in the root namespace (a switch port)
-    host_if: str         # veth end inside the namespace
-    ip: str
-    mac: str
-    gateway: str         # next hop the host sends to: resolved statically to the switch MAC
-    port: int            # switch port of root_if
-
-    @property
-    def prefix(self) -> str:
-        return self.ip.rsplit(".", 1)[0] + ".0/24"
-
-
-@dataclass
-class NetnsTestbed:
-    """num_senders sender namespaces and one receiver, switch ports 0..num_senders."""
-    num_senders: int = 3
-    switch_mac: str = "02:00:00:00:00:fe"
-    tag: str = field(default_factory=lambda: f"dq{os.getpid() % 100000}")
-    hosts: list[Host] = field(default_factory=list)
-
-    @property
-    def senders(self) -> list[Host]:
-        return self.hosts[:-1]
-
-    @property
-    def receiver(self) -> Host:
-        return self.hosts[-1]
-
-    def up(self) -> "NetnsTestbed":
-        try:
-            for port in range(self.num_senders + 1):
-                self._add_host(port, 9 if port == self.num_senders else port + 1)
-        except NetnsError:
-            self.down()
-            raise
-        return self
-
-    def _add_host(self, port: int, subnet: int) -> None:
-        h = Host(ns=f"{self.tag}h{port}", root_if=f"{self.tag}p{port}", host_if=f"{self.tag}h{port}",
-                 ip=f"10.77.{subnet}.2", mac=f"02:dd:00:00:{subnet:02x}:02",
-                 gateway=f"10.77.{subnet}.1", port=port)
-        self.hosts.append(h)
-        sh("ip", "netns", "add", h.ns)
-        sh("ip", "link", "add", h.root_if, "type", "veth", "peer", "name", h.host_if, "netns", h.ns)
-        # No IPv6 anywhere: no router solicitations or DAD probes on the switch ports.
-        sh("sysctl", "-q", "-w", f"net.ipv6.conf.{h.root_if}.disable_ipv6=1")
-        ns = ("ip", "netns", "exec", h.ns)
-        sh(*ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1")
-        sh(*ns, "sysctl", "-q", "-w", "net.ipv6.conf.default.disable_ipv6=1")
-        sh(*ns, "ip", "link", "set", h.host_if, "address", h.mac)
-        sh(*ns, "ip", "addr", "add", f"{h.ip}/24", "dev", h.host_if)
-        sh(*ns, "ip", "link", "set", "lo", "up")
-        sh(*ns, "ip", "link", "set", h.host_if, "up")
-        sh("ip", "link", "set", h.root_if, "up")
-        sh(*ns, "ip", "neigh", "replace", h.gateway, "lladdr", self.switch_mac, "dev", h.host_if,
-           "nud", "permanent")
-        sh(*ns, "ip", "route", "add", "10.77.0.0/16", "via", h.gateway, "dev", h.host_if)
-
-    def down(self) -> None:
-        for h in self.hosts:
-            subprocess.run(["ip", "link", "del", h.root_if], capture_output=True)
-            subprocess.run(["ip", "netns", "del", h.ns], capture_output=True)
-        self.hosts = []
-
-    def switch_config(self, dlcp: Dlcp) -> SwitchConfig:
-        routes = tuple(Route(h.prefix, h.port, h.mac) for h in self.hosts)
-        return SwitchConfig(mac=self.switch_mac, routes=routes, dlcp=dlcp).validate()
-
-    def __enter__(self):
-        return self.up()
-
-    def __exit__(self, *exc):
-        self.down()
-
-
 # ---------------------------------------------------------------------------- traffic
 
 @dataclass(frozen=True)
 class Probe:
-    sender: int          # index into NetnsTestbed.senders
+    sender: int          # index into Topology.senders
     seq: int             # unique over the whole offered sequence
     dscp: int
     ecn: int

@@ -1,4 +1,4 @@
-"""The DLCP switch stage end to end on a live testbed (issue 8, item 3; docs/protocol.md §6).
+"""The DLCP switch stage end to end on a live testbed (docs/protocol.md §6).
 
 Three sender namespaces and one receiver namespace, each on a veth pair whose root end
 is a port of the DPDK switch (net_af_packet, `dataplane.dpdk_runner.LiveSwitch`). The
@@ -31,9 +31,11 @@ from pathlib import Path
 import pytest
 
 from dataplane.config import CONTROL_DSCP, Dlcp, band_to_dscp, default_thresholds
-from host.netlab.dpdk_bottleneck import (Capture, ECN_CE, NetnsError, NetnsTestbed, Probe,
-                                       expected_paused, live_switch_skip_reason, open_sender,
-                                       send_probes, verdict_counts)
+from host.netlab.dpdk_bottleneck import (Capture, ECN_CE, Probe, expected_paused,
+                                         live_switch_skip_reason, open_sender, send_probes,
+                                         verdict_counts)
+from host.netlab.links import NetnsError
+from host.netlab.topology import Topology
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_ECT, ECT1, ECT0, CE = 0, 1, 2, 3
@@ -77,7 +79,7 @@ def offered_traffic() -> list[list[Probe]]:
 @pytest.fixture(scope="module")
 def testbed():
     try:
-        with NetnsTestbed(num_senders=3) as tb:
+        with Topology(4, layout="routed") as tb:      # 3 senders, 1 receiver
             yield tb
     except NetnsError as exc:
         pytest.skip(f"cannot build the netns/veth testbed: {exc}")
@@ -101,7 +103,7 @@ def dpdk_run(testbed):
     capture = Capture(testbed.receiver)
     senders = [open_sender(h) for h in testbed.senders]
     switch = LiveSwitch(testbed.switch_config(DLCP),
-                        af_packet_vdevs([h.root_if for h in testbed.hosts]),
+                        af_packet_vdevs([h.switch_if for h in testbed.hosts]),
                         port_rates={testbed.receiver.port: 0})
     switch.start()
     try:
@@ -208,7 +210,7 @@ def rated_run(testbed, dpdk_run):
     capture = Capture(testbed.receiver)
     sock = open_sender(host)
     switch = LiveSwitch(testbed.switch_config(DLCP),
-                        af_packet_vdevs([h.root_if for h in testbed.hosts]),
+                        af_packet_vdevs([h.switch_if for h in testbed.hosts]),
                         port_rates={testbed.receiver.port: RATE_PPS})
     switch.start()
     try:
@@ -309,7 +311,8 @@ def switchbox_run(testbed, dpdk_run, tmp_path_factory):
     """
     src, rx = testbed.senders[0], testbed.receiver
     counters = tmp_path_factory.mktemp("switchbox") / "counters.json"
-    cmd = [sys.executable, "-m", "host.dlcp.switchbox", "--if0", src.root_if, "--if1", rx.root_if,
+    cmd = [sys.executable, "-m", "host.dlcp.switchbox", "--if0", src.switch_if,
+           "--if1", rx.switch_if,
            "--mac", testbed.switch_mac, "--route0", f"{src.prefix},{src.mac}",
            "--route1", f"{rx.prefix},{rx.mac}", "--rate1", str(SWITCHBOX_RATE_PPS),
            "--threshold", "8", "--d", "0.5", "--capacity", str(DLCP.capacity),

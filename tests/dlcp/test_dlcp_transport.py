@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from host.dlcp.marking import DlcpPolicy
-from host.netlab.relay import LossyRelay, random_loss
+from host.netlab.relay import LossyRelay, dlcp_header, dlcp_loss, dlcp_rule
 from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, MSG_ANNOUNCE, MSG_END,
                                  WIRE_OVERHEAD, DlcpError, DlcpReceiver, DlcpSender, LossBounds,
                                  TensorToSend, apply_missing_policy, encode_segments, fin_threshold,
@@ -108,8 +108,8 @@ def test_h7_stop_requests_exactly_the_missing_segments(receiver, raw_sender):
 
 def test_h7_loss_below_bound_never_retransmits(receiver):
     x = grad(35_000, 4)                          # 100 segments
-    with LossyRelay(receiver.udp_addr, random_loss(0.03, seed=1)) as relay, \
-            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.1)) as s:
+    with LossyRelay(receiver.udp_addr, dlcp_loss(0.03, seed=1)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.1)) as s:
         for it in range(3):
             st = s.send_tensor(40 + it, x, iteration=it)
             res = receiver.wait(40 + it, 10)
@@ -120,11 +120,11 @@ def test_h7_loss_below_bound_never_retransmits(receiver):
 
 def test_h7_loss_above_bound_recovers_via_stop_retx(receiver):
     x = grad(35_000, 5)
-    with LossyRelay(receiver.udp_addr, random_loss(0.3, seed=2, first_only=True)) as relay, \
-            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.05)) as s:
+    with LossyRelay(receiver.udp_addr, dlcp_loss(0.3, seed=2, first_only=True)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.05)) as s:
         st = s.send_tensor(50, x)
         res = receiver.wait(50, 10)
-    dropped = {off // 350 for tid, off, flags in relay.dropped if tid == 50}
+    dropped = {off // 350 for tid, off, flags in map(dlcp_header, relay.dropped) if tid == 50}
     assert len(dropped) > 10 and st.stops >= 1 and st.retx_requests >= 1
     requested = set(st.retx_lists[0])
     assert dropped <= requested                  # every lost segment is asked for ...
@@ -165,8 +165,8 @@ def test_h8_silent_receiver_gets_each_segment_once_then_timeout():
 
 def test_h8_retransmissions_match_requests(receiver):
     x = grad(70_000, 7)
-    with LossyRelay(receiver.udp_addr, random_loss(0.4, seed=3)) as relay, \
-            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.05, 0.0)) as s:
+    with LossyRelay(receiver.udp_addr, dlcp_loss(0.4, seed=3)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.05, 0.0)) as s:
         st = s.send_tensor(70, x)
         receiver.wait(70, 10)
     assert st.retx_requests == len(st.retx_lists) == st.stops - (st.stops - st.retx_requests)
@@ -247,8 +247,8 @@ def test_retransmissions_are_sent_ect(receiver):
     x = grad(35_000, 14) * 1e-3
     x[350 * 10:] *= 1e3                            # 10 unimportant segments, lost first time
     lost_once = lambda tid, off, length, seq, flags: off < 3500 and not flags & FLAG_RETX
-    with LossyRelay(receiver.udp_addr, lost_once) as relay, \
-            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=None, policy=DlcpPolicy(),
+    with LossyRelay(receiver.udp_addr, dlcp_rule(lost_once)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=None, policy=DlcpPolicy(),
                        bounds=LossBounds(0.0, 0.0)) as s:
         st = s.send_tensor(160, x)
         res = receiver.wait(160, 10)
@@ -288,8 +288,8 @@ def test_own_policy_end_to_end():
     own = np.full(3500, 9.0, np.float32)
     with DlcpReceiver(missing_policy="own") as r:
         r.set_own(140, own)
-        with LossyRelay(r.udp_addr, random_loss(0.2, seed=4)) as relay, \
-                DlcpSender(relay.addr, r.tcp_addr, link_bps=None, bounds=LossBounds(0.5, 0.5)) as s:
+        with LossyRelay(r.udp_addr, dlcp_loss(0.2, seed=4)) as relay, \
+                DlcpSender(relay.address, r.tcp_addr, link_bps=None, bounds=LossBounds(0.5, 0.5)) as s:
             s.send_tensor(140, x)
             res = r.wait(140, 10)
     got = np.repeat(res.received, 350)
@@ -364,8 +364,8 @@ def test_status_lists_missing_only_below_the_bound(receiver, raw_sender):
 
 def test_iteration_under_loss_retransmits_only_for_tensors_below_bound(receiver):
     sizes = [3500, 7000, 350, 35_000]
-    with LossyRelay(receiver.udp_addr, random_loss(0.15, seed=5, first_only=True)) as relay, \
-            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.1)) as s:
+    with LossyRelay(receiver.udp_addr, dlcp_loss(0.15, seed=5, first_only=True)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.1)) as s:
         tensors = layer_tensors(700, sizes)
         stats = s.send_iteration(tensors)
     for t, st in zip(tensors, stats):
@@ -446,8 +446,8 @@ def test_deficit_only_resends_meet_the_bound(receiver):
     bound needs (plus the margin), and the tensor still completes within its bound."""
     x = grad(35_000, 30)                                 # 100 segments, p = 0.1 -> need 90
     lost_first = lambda tid, off, length, seq, flags: (off // 350) % 4 == 0 and not flags & FLAG_RETX
-    with LossyRelay(receiver.udp_addr, lost_first) as relay, \
-            DlcpSender(relay.addr, receiver.tcp_addr, link_bps=None, bounds=LossBounds(0.1, 0.1),
+    with LossyRelay(receiver.udp_addr, dlcp_rule(lost_first)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=None, bounds=LossBounds(0.1, 0.1),
                        retx_extra=0.0) as s:
         st = s.send_tensor(900, x)
         res = receiver.wait(900, 5)

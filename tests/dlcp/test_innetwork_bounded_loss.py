@@ -17,7 +17,7 @@ import pytest
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
-from host.netlab.netem import LossyUdpRelay
+from host.netlab.relay import DOWN, UP, LossyRelay, agg_worker, any_of, random_loss
 from host.packets import HEADER_LEN, TYPE_DATA, TYPE_RESULT, decode_headers, header_types
 
 WORLD = 3
@@ -29,31 +29,30 @@ BLACKHOLED = 3          # chunk whose DATA from worker 0 never arrives
 HIDDEN_FROM_1 = 20      # chunk whose RESULT never reaches worker 1
 
 
-class RuleRelay(LossyUdpRelay):
-    """LossyUdpRelay plus two fixed drops of the tensor with id `tensor`."""
+TENSOR = 0              # the tensor id whose chunks the two fixed drops pick
 
-    tensor = 0
 
-    def _chunk(self, data: bytes, ptype: int):
-        if len(data) < HEADER_LEN:
-            return None
-        hdr = decode_headers([data])
-        if header_types(hdr)[0] != ptype or int(hdr[0]["tensor"]) != self.tensor:
-            return None
-        return int(hdr[0]["offset"]) // VPP
+def _chunk(data: bytes, ptype: int):
+    if len(data) < HEADER_LEN:
+        return None
+    hdr = decode_headers([data])
+    if header_types(hdr)[0] != ptype or int(hdr[0]["tensor"]) != TENSOR:
+        return None
+    return int(hdr[0]["offset"]) // VPP
 
-    def _up(self, data, source):
-        if len(data) > 6 and data[6] == 0 and self._chunk(data, TYPE_DATA) == BLACKHOLED:
-            self.counters["dropped_up"] += 1
-            self._clients[0] = source
-            return
-        super()._up(data, source)
 
-    def _down(self, data, worker):
-        if worker == 1 and self._chunk(data, TYPE_RESULT) == HIDDEN_FROM_1:
-            self.counters["dropped_down"] += 1
-            return
-        super()._down(data, worker)
+def blackholed(d) -> bool:
+    return d.direction == UP and d.member == 0 and _chunk(d.data, TYPE_DATA) == BLACKHOLED
+
+
+def hidden_from_1(d) -> bool:
+    return d.direction == DOWN and d.member == 1 and _chunk(d.data, TYPE_RESULT) == HIDDEN_FROM_1
+
+
+def agg_relay(loss: float, seed: int = 0, *rules) -> LossyRelay:
+    """A relay for WORLD workers (one proxy each) dropping by `rules`, then at random."""
+    return LossyRelay(("127.0.0.1", 1), any_of(*rules, random_loss(loss, seed=seed)),
+                      members=WORLD, member_of=agg_worker)
 
 
 def grad(rank):
@@ -115,14 +114,14 @@ def run():
     import torch.multiprocessing as mp
 
     from dataplane.udp_service import serve
-    relay = RuleRelay(("127.0.0.1", 1), WORLD, loss_up=0.02, seed=11).start()
+    relay = agg_relay(0.02, 11, blackholed, hidden_from_1).start()
     lossy_svc = serve(_config(relay.member_addresses), "127.0.0.1", 0)
-    relay.aggregator = lossy_svc.address
+    relay.target = lossy_svc.address
     # Workers bind ephemeral ports: the exact run's aggregator knows them through a
     # loss-free relay's member ports too.
-    clean = LossyUdpRelay(("127.0.0.1", 1), WORLD, loss_up=0.0).start()
+    clean = agg_relay(0.0).start()
     exact_svc = serve(_config(clean.member_addresses), "127.0.0.1", 0)
-    clean.aggregator = exact_svc.address
+    clean.target = exact_svc.address
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
     with socket.socket() as s:

@@ -20,10 +20,11 @@ import pytest
 
 import thc
 from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
-from host.netlab.dpdk_bottleneck import (NetnsError, NetnsTestbed, in_netns,
-                                       live_switch_skip_reason)
-from host.experiments.dlcp.innetwork_incast import AGG_UDP_PORT, WORKER_UDP_PORT, disable_offloads
 from host.dlcp.marking import DlcpPolicy, partition_importance
+from host.experiments.dlcp.innetwork_incast import AGG_UDP_PORT, WORKER_UDP_PORT
+from host.netlab.dpdk_bottleneck import live_switch_skip_reason
+from host.netlab.links import NetnsError, in_netns
+from host.netlab.topology import Topology
 
 SKIP_REASON = live_switch_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
@@ -49,17 +50,18 @@ def incast():
     from host.allreduce import AggregatorExchange
     from host.transport import AggregatorTransport
     try:
-        tb = NetnsTestbed(num_senders=WORKERS, tag=f"ti{os.getpid() % 10000}").up()
+        # offloads off: checksums filled in by the stack, not left to the NIC
+        tb = Topology(WORKERS + 1, layout="routed", offloads=False,
+                      tag=f"ti{os.getpid() % 10000}").up()
     except NetnsError as exc:
         pytest.skip(f"cannot build the netns/veth testbed: {exc}")
-    disable_offloads(tb)         # checksums filled in by the stack, not left to the NIC
     agg = tb.receiver
     members = [Member(worker=w, port=w, mac=h.mac, ip=h.ip, udp_port=WORKER_UDP_PORT)
                for w, h in enumerate(tb.senders)]
     job = Job.from_thc(1, 64, members, values_per_packet=VPP)
     service = in_netns(agg.ns, serve, SwitchConfig(ip=agg.ip, jobs=(job,)).validate(),
                        agg.ip, AGG_UDP_PORT)
-    switch = LiveSwitch(tb.switch_config(DLCP), af_packet_vdevs([h.root_if for h in tb.hosts]),
+    switch = LiveSwitch(tb.switch_config(DLCP), af_packet_vdevs([h.switch_if for h in tb.hosts]),
                         port_rates={agg.port: RATE_PPS}).start()
     codec = thc.THCCodec(seed=1, partition_size=PARTITION)
     grads = _gradients()

@@ -1,4 +1,4 @@
-"""DLCP property S7: per-packet load balancing (notes/dlcp.md §7.2 S7, docs/protocol.md §7).
+"""DLCP per-packet load balancing (DLCP paper, §3.2.3; docs/protocol.md §7).
 
 Over many packets of ONE 5-tuple, every equal-cost next hop carries a share within a
 tolerance of 1/k. With 5-tuple ECMP a single flow would stay on one link; the switch
@@ -21,8 +21,10 @@ import pytest
 
 from dataplane.config import Dlcp, Route, SwitchConfig
 from dataplane.reference import ReferenceSwitch
-from host.netlab.dpdk_bottleneck import (Capture, NetnsError, NetnsTestbed, PROBE_PORT, Probe,
-                                       live_switch_skip_reason, open_sender, send_probes)
+from host.netlab.dpdk_bottleneck import (Capture, PROBE_PORT, Probe, live_switch_skip_reason,
+                                         open_sender, send_probes)
+from host.netlab.links import NetnsError
+from host.netlab.topology import Topology
 
 FLOW_DST = "10.77.50.7"
 SPRAY_PREFIX = "10.77.50.0/24"
@@ -35,7 +37,7 @@ SKIP_REASON = live_switch_skip_reason()
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 
 
-def spray_config(tb: NetnsTestbed) -> SwitchConfig:
+def spray_config(tb: Topology) -> SwitchConfig:
     """Each host's /24 routed to it, plus the sprayed prefix over h1, h2 and h3."""
     hops = tb.hosts[1:]
     spray = Route(SPRAY_PREFIX, hops[0].port, hops[0].mac,
@@ -64,7 +66,7 @@ def reference_ports(config: SwitchConfig, src, n: int) -> list[int]:
 def sprayed():
     from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
     try:
-        tb = NetnsTestbed(num_senders=3, tag=f"s7{os.getpid() % 100000}").up()
+        tb = Topology(4, layout="routed", tag=f"s7{os.getpid() % 100000}").up()
     except NetnsError as exc:
         pytest.skip(f"cannot build the netns/veth testbed: {exc}")
     try:
@@ -72,7 +74,7 @@ def sprayed():
         sender, hops = tb.hosts[0], tb.hosts[1:]
         captures = {h.port: Capture(h) for h in hops}
         sock = open_sender(sender)
-        switch = LiveSwitch(config, af_packet_vdevs([h.root_if for h in tb.hosts]))
+        switch = LiveSwitch(config, af_packet_vdevs([h.switch_if for h in tb.hosts]))
         switch.start()
         try:
             probes = [Probe(0, seq, BEST_EFFORT, 0) for seq in range(N_PACKETS)]

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 import host.netlab.testbed as tb
-from host.netlab.testbed import __main__ as cli
+from host.experiments import testbed as cli
 from host.netlab.testbed import make_config, run_testbed, switch_available
 from host.netlab.testbed.mininet_loader import MininetMissing, load_mininet
 
@@ -35,6 +35,24 @@ def links_with(prefix: str) -> list[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     return [line.split(":")[1].strip() for line in out.splitlines()
             if line.split(":")[1].strip().startswith(prefix)]
+
+
+@needs_root
+def test_shaped_testbed_run_prints_no_htb_warning(tmp_path, capfd):
+    """A 50 Mbit/s htb class gets an explicit quantum: tc stays silent (Mininet would
+    print `*** Error: Warning: sch_htb: quantum ... is big` once per shaped interface)."""
+    opts = tb.TestbedOptions(hosts=2, bw=50.0, switch="reference", values=256,
+                             values_per_packet=64, pool_size=4, workdir=str(tmp_path))
+    result = run_testbed(opts)
+    assert result.ok, result.hosts
+    out, err = capfd.readouterr()
+    assert "sch_htb" not in out + err and "Error" not in out + err, out + err
+
+
+def test_htb_quantum_is_the_kernels_choice_within_its_silent_range():
+    assert tb.network.htb_quantum(50.0) == 200_000        # 625 000 B/s / 10, clamped
+    assert tb.network.htb_quantum(1.0) == 12_500
+    assert tb.network.htb_quantum(0.01) == 1000
 
 
 @needs_root
@@ -164,7 +182,7 @@ def test_cli_help_runs(capsys):
 def test_sigterm_mid_run_tears_down(tmp_path):
     import sys
     import time
-    proc = subprocess.Popen([sys.executable, "-m", "host.netlab.testbed", "--switch", "reference",
+    proc = subprocess.Popen([sys.executable, "-m", "host.experiments.testbed", "--switch", "reference",
                              "--hosts", "2", "--bw", "0", "--command", "sleep 60",
                              "--workdir", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

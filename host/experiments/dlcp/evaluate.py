@@ -1,12 +1,12 @@
 """DLCP evaluation: a PS incast of ResNet-50 gradient tensors through a DLCP bottleneck.
 
-Topology (root; three network namespaces, built and torn down here)::
+Topology (root; host.netlab.topology.Topology, "routed" layout, built and torn down here)::
 
-    workers (dl-s, 10.0.0.1) --veth-- [switch ns: reference switch model] --veth-- PS (dl-r, 10.0.1.2)
+    workers (10.77.1.2) --veth-- [root ns: reference switch model] --veth-- PS (10.77.9.2)
 
-The switch namespace runs ``host.dlcp.switchbox``: the reference switch's forwarding and
-DLCP egress stage (docs/protocol.md §6) on AF_PACKET sockets, with the PS-facing port
-rate-limited (the incast bottleneck). This kernel has no prio/RED qdiscs, so the model
+The root namespace runs ``host.dlcp.switchbox`` on the veths' root ends: the reference
+switch's forwarding and DLCP egress stage (docs/protocol.md §6) on AF_PACKET sockets,
+with the PS-facing port rate-limited (the incast bottleneck). This kernel has no prio/RED qdiscs, so the model
 is the switch. Every scheme crosses the same switch:
 
 * ``dlcp``: the bounded-loss transport, DlcpPolicy marks (band DSCP + ECT/Not-ECT), one
@@ -44,11 +44,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-NS_WORKERS, NS_PS, NS_SWITCH = "dlcp-w", "dlcp-ps", "dlcp-sw"
-SWITCH_MAC = "02:00:00:00:00:fe"
-WORKER_MAC, PS_MAC = "02:00:00:00:00:01", "02:00:00:00:01:02"
-WORKER_IP, PS_IP = "10.0.0.1", "10.0.1.2"
+from host.dlcp.marking import DlcpPolicy
+from host.dlcp.transport import (VALUES_PER_SEGMENT, DlcpReceiver, DlcpSender, LossBounds,
+                                 TensorToSend, segment_count)
+from host.netlab.topology import Topology
+
+WORKER_IP, PS_IP = "10.77.1.2", "10.77.9.2"   # the routed layout's sender and receiver
 DATA_PORT, CTRL_PORT, BG_PORT = 41000, 41001, 41002
 FRAME_BYTES = 1400 + 16 + 42
 SCHEMES = ("dlcp", "udp_timer", "tcp")
@@ -93,47 +96,25 @@ def tensor_id(worker: int, iteration: int, layer: int) -> int:
 
 
 # --------------------------------------------------------------------------- topology
-def sh(cmd: str, check: bool = True) -> None:
-    res = subprocess.run(cmd, shell=True, capture_output=True, text=True)
-    if check and res.returncode:
-        raise RuntimeError(f"{cmd!r} failed: {res.stderr.strip()}")
+def topology(rto_ms: float) -> Topology:
+    """The workers' namespace and the PS's, routed through the switch model in the root
+    namespace. Plain frames with full checksums (the model sees single frames), and TCP's
+    rto_min on the hosts' route set to the schemes' rto."""
+    tb = Topology(2, layout="routed", offloads=False, rto_min_ms=rto_ms)
+    if (tb.senders[0].ip, tb.receiver.ip) != (WORKER_IP, PS_IP):
+        raise RuntimeError(f"the routed layout's addresses {tb.senders[0].ip}, "
+                           f"{tb.receiver.ip} are not WORKER_IP, PS_IP: update them")
+    return tb
 
 
-def topology_up(rto_ms: float) -> None:
-    topology_down()
-    for ns in (NS_WORKERS, NS_PS, NS_SWITCH):
-        sh(f"ip netns add {ns}")
-        sh(f"ip netns exec {ns} ip link set lo up")
-    for ns, inner, outer, mac in ((NS_WORKERS, "w0", "sw0", WORKER_MAC), (NS_PS, "p0", "sw1", PS_MAC)):
-        sh(f"ip link add {inner} netns {ns} address {mac} type veth peer name {outer} "
-           f"netns {NS_SWITCH} address {SWITCH_MAC}")
-        for n, dev in ((ns, inner), (NS_SWITCH, outer)):
-            # the switch model sees single frames with full checksums: no offloads
-            sh(f"ip netns exec {n} ethtool -K {dev} tso off gso off gro off tx off rx off", check=False)
-            sh(f"ip netns exec {n} ip link set {dev} up")
-    x = f"ip netns exec {NS_WORKERS}"
-    sh(f"{x} ip addr add {WORKER_IP}/24 dev w0")
-    sh(f"{x} ip neigh replace 10.0.0.254 lladdr {SWITCH_MAC} dev w0 nud permanent")
-    sh(f"{x} ip route add 10.0.1.0/24 via 10.0.0.254 dev w0 rto_min {rto_ms:g}ms")
-    x = f"ip netns exec {NS_PS}"
-    sh(f"{x} ip addr add {PS_IP}/24 dev p0")
-    sh(f"{x} ip neigh replace 10.0.1.254 lladdr {SWITCH_MAC} dev p0 nud permanent")
-    sh(f"{x} ip route add 10.0.0.0/24 via 10.0.1.254 dev p0 rto_min {rto_ms:g}ms")
-
-
-def topology_down() -> None:
-    for ns in (NS_WORKERS, NS_PS, NS_SWITCH):
-        sh(f"ip netns del {ns}", check=False)
-
-
-def in_ns(ns: str, *args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", *args], **kw)
+def in_ns(tb: Topology, host: int, *args: str, **kw) -> subprocess.Popen:
+    """python -m args in host `host`'s namespace."""
+    return tb.popen(host, [sys.executable, "-m", *args], **kw)
 
 
 # --------------------------------------------------------------------------- roles
 def run_ps(args) -> None:
     """The parameter server: receives every worker's tensors, writes what arrived."""
-    from host.dlcp.transport import DlcpReceiver
     sizes = scaled_sizes(args.scale)
     bg = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     bg.bind((PS_IP, BG_PORT))
@@ -221,8 +202,6 @@ def run_worker(args) -> None:
     first datagram to the receiver's time of reaching the bound (one monotonic clock: the
     namespaces share the host's).
     """
-    from host.dlcp.marking import DlcpPolicy
-    from host.dlcp.transport import DlcpSender, LossBounds, TensorToSend
     sizes = scaled_sizes(args.scale)
     link_bps = args.rate * FRAME_BYTES * 8           # host links as fast as the bottleneck
     records, iterations, tos_sent = [], [], {}
@@ -288,7 +267,7 @@ def _sleep_until(t: float) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-def run_scheme(scheme: str, args, tmp: Path) -> dict:
+def run_scheme(scheme: str, args, tmp: Path, tb: Topology) -> dict:
     """One scheme through the switch: returns its workers', PS and switch outputs."""
     common = ["--scheme", scheme, "--scale", str(args.scale), "--workers", str(args.workers),
               "--iterations", str(args.iterations), "--rate", str(args.rate),
@@ -297,21 +276,25 @@ def run_scheme(scheme: str, args, tmp: Path) -> dict:
               "--delta", str(args.delta), "--ai", str(args.ai), "--retx-extra", str(args.retx_extra),
               "--ce-threshold", str(args.ce_threshold), "--pace-burst-ms", str(args.pace_burst_ms)] + (["--reset-rate-on-retx"] if args.reset_rate_on_retx else [])
     sw_out = tmp / f"{scheme}-switch.json"
-    switch = in_ns(NS_SWITCH, "host.dlcp.switchbox", "--if0", "sw0", "--if1", "sw1",
-                   "--mac", SWITCH_MAC, "--route0", f"10.0.0.0/24,{WORKER_MAC}",
-                   "--route1", f"10.0.1.0/24,{PS_MAC}", "--rate1", str(args.rate),
-                   "--counters", str(sw_out), "--capacity", str(args.capacity),
-                   "--threshold", str(args.threshold), "--d", str(args.d))
+    workers_host, ps_host = tb.senders[0], tb.receiver
+    switch = tb.popen_switch([sys.executable, "-m", "host.dlcp.switchbox",
+                              "--if0", workers_host.switch_if, "--if1", ps_host.switch_if,
+                              "--mac", tb.switch_mac,
+                              "--route0", f"{workers_host.prefix},{workers_host.mac}",
+                              "--route1", f"{ps_host.prefix},{ps_host.mac}",
+                              "--rate1", str(args.rate), "--counters", str(sw_out),
+                              "--capacity", str(args.capacity),
+                              "--threshold", str(args.threshold), "--d", str(args.d)])
     ready = tmp / f"{scheme}-ready"
-    ps = in_ns(NS_PS, "host.experiments.dlcp.evaluate", "--role", "ps", *common,
+    ps = in_ns(tb, ps_host.index, "host.experiments.dlcp.evaluate", "--role", "ps", *common,
                "--out", str(tmp / f"{scheme}-ps.json"), "--ready", str(ready))
     _wait_file(ready, 30)
     t0 = time.time() + 1.0
     duration = args.iterations * args.period + 1
-    bg = in_ns(NS_WORKERS, "host.experiments.dlcp.evaluate", "--role", "background", *common,
+    bg = in_ns(tb, workers_host.index, "host.experiments.dlcp.evaluate", "--role", "background", *common,
                "--bg-rate", str(args.bg_fraction * args.rate), "--duration", str(duration),
                "--out", str(tmp / f"{scheme}-bg.json"))
-    workers = [in_ns(NS_WORKERS, "host.experiments.dlcp.evaluate", "--role", "worker", *common,
+    workers = [in_ns(tb, workers_host.index, "host.experiments.dlcp.evaluate", "--role", "worker", *common,
                      "--worker", str(w), "--t0", str(t0), "--period", str(args.period),
                      "--out", str(tmp / f"{scheme}-w{w}.json")) for w in range(args.workers)]
     try:
@@ -372,7 +355,6 @@ def summarize(scheme: str, raw: dict, args) -> dict:
 
 def ideal_iteration_ms(args) -> float:
     """Every worker's whole iteration through the bottleneck at its full rate (E1's bound)."""
-    from host.dlcp.transport import VALUES_PER_SEGMENT, segment_count
     per_worker = sum(segment_count(s, VALUES_PER_SEGMENT) for s in scaled_sizes(args.scale))
     return 1e3 * args.workers * per_worker / args.rate
 
@@ -419,7 +401,7 @@ def band_losses(raw: dict) -> dict:
 
 
 def plot(results: dict, args, img_dir: Path) -> list[str]:
-    import matplotlib
+    import matplotlib       # only the coordinator plots: the role processes start without it
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     img_dir.mkdir(parents=True, exist_ok=True)
@@ -547,17 +529,12 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         print("the evaluation builds network namespaces: run it as root", file=sys.stderr)
         return 2
-    from tqdm import tqdm
     results = {}
-    topology_up(args.rto)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            raw_dir = Path(args.raw_dir or tmp)
-            raw_dir.mkdir(parents=True, exist_ok=True)
-            for scheme in tqdm(args.schemes.split(","), desc="schemes"):
-                results[scheme] = summarize(scheme, run_scheme(scheme, args, raw_dir), args)
-    finally:
-        topology_down()
+    with topology(args.rto) as tb, tempfile.TemporaryDirectory() as tmp:
+        raw_dir = Path(args.raw_dir or tmp)
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        for scheme in tqdm(args.schemes.split(","), desc="schemes"):
+            results[scheme] = summarize(scheme, run_scheme(scheme, args, raw_dir, tb), args)
     paths = plot(results, args, Path(args.img_dir))
     print(f"{'scheme':10} {'tensors':>7} {'mean ms':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
           f"{'min deliv':>9} {'retx':>6} {'push/it ms':>10}")

@@ -25,14 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
+import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
 import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
 import thc
 from host.dlcp.marking import (ECN_NOT_ECT, importance_ecn, partition_importance,
                                partition_packet_ecn)
 from host.experiments.common import load_digits_split, make_model
+from host.experiments.dlcp import innetwork_incast
 
 WORKERS = 4
 VALUES_PER_PACKET = 1024
@@ -42,8 +49,6 @@ PARTITION_SIZE = 1 << 12
 # --------------------------------------------------------------------------- gradients
 
 def _model_and_data(hidden: int, seed: int):
-    import torch
-
     torch.manual_seed(seed)
     model = make_model(hidden)
     (xtr, ytr), (xte, yte) = load_digits_split(seed)
@@ -53,7 +58,6 @@ def _model_and_data(hidden: int, seed: int):
 
 def _worker_gradients(model, xs, ys, idx_per_worker):
     """One flat float32 gradient per worker (its own mini-batch)."""
-    import torch.nn.functional as F
     grads = []
     for idx in idx_per_worker:
         model.zero_grad()
@@ -67,7 +71,6 @@ def main_job_gradient(hidden: int = 256, seed: int = 0, batch: int = 32,
                       workers: int = WORKERS, warm_steps: int = 20) -> list[np.ndarray]:
     """The workers' gradients of the main job's model after `warm_steps` plain SGD steps
     (a trained model's gradients are more uneven than the initial ones)."""
-    import torch
     model, (xs, ys), _ = _model_and_data(hidden, seed)
     rng = np.random.default_rng(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -82,7 +85,6 @@ def main_job_gradient(hidden: int = 256, seed: int = 0, batch: int = 32,
 
 def _set_gradients(model, flat: np.ndarray) -> None:
     """Each parameter's .grad from its slice of one flat gradient vector."""
-    import torch
     offset = 0
     for p in model.parameters():
         n = p.numel()
@@ -176,7 +178,6 @@ def train(mode: str, *, drop_fraction: float, steps: int, hidden: int = 256, see
           values_per_packet: int = VALUES_PER_PACKET, workers: int = WORKERS) -> dict:
     """The main job's training, THC-averaged with drop_fraction of the packets lost every
     step: mode "selective" (Not-ECT first), "random", or "none" (no loss)."""
-    import torch
     model, (xs, ys), (xte, yte) = _model_and_data(hidden, seed)
     codec = thc.THCCodec(seed=seed, partition_size=partition_size)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -245,7 +246,6 @@ def _table(rows, cols) -> str:
 
 
 def run(args) -> dict:
-    from tqdm import tqdm
     grads = main_job_gradient(hidden=args.hidden, seed=args.seed)
     codec = thc.THCCodec(seed=args.seed, partition_size=args.partition_size)
     m = marks(grads, codec)
@@ -260,15 +260,11 @@ def run(args) -> dict:
     runs.append(train("none", drop_fraction=0.0, steps=args.steps, hidden=args.hidden,
                       seed=args.seed, partition_size=args.partition_size))
     cost = partition_cost(grads)
-    import os
     return {"marks": summary, "drops": drops, "train": runs, "partition_cost": cost,
             "load_average": os.getloadavg()}
 
 
 def plot(result, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     fr = [d["drop_fraction"] for d in result["drops"]]
     for key, label in (("selective_nmse", "Not-ECT first (partition rule)"),
@@ -304,12 +300,11 @@ def main(argv=None) -> None:
     codec_ap.add_argument("--steps", type=int, default=60)
     codec_ap.add_argument("--trials", type=int, default=20)
     incast_ap = sub.add_parser("incast", help="THC incast through the DPDK switch (root)")
-    from host.experiments.dlcp import innetwork_incast
     innetwork_incast.add_arguments(incast_ap)
     for a in (codec_ap, incast_ap):
         a.add_argument("--json", help="write the results here")
         a.add_argument("--plot", help="save a plot here (PNG)")
-    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    argv = list(argv) if argv is not None else sys.argv[1:]
     if not argv or argv[0] not in ("codec", "incast", "-h", "--help"):
         argv = ["codec"] + argv
     args = ap.parse_args(argv)

@@ -2,8 +2,8 @@
 
     sudo python -m host.experiments.dlcp.innetwork incast --json out/dlcp_incast.json
 
-Testbed (host.netlab.dpdk_bottleneck.NetnsTestbed): 4 worker namespaces and one aggregator
-namespace, each on a veth pair whose root end is a port of the DPDK switch (routing the
+Testbed (host.netlab.topology.Topology, "routed" layout): 4 worker namespaces and one
+aggregator namespace, each on a veth pair whose root end is a port of the DPDK switch (routing the
 hosts' /24s through its DLCP egress stage, docs/protocol.md §6). The reference aggregator
 (dataplane.udp_service) serves the job in the aggregator namespace on a UDP port outside
 the switch's aggregation range, so the switch forwards the THC packets instead of adding
@@ -25,12 +25,28 @@ from __future__ import annotations
 
 import datetime
 import os
-import subprocess
 import time
 import traceback
 
+import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
+import numba
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import thc
+from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
+from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
+from dataplane.udp_service import serve
+from host.ddp_hook import thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
+from host.netlab.dpdk_bottleneck import live_switch_skip_reason
+from host.netlab.links import enter_netns, in_netns
+from host.netlab.topology import Topology
+from host.transport import default_policy
 
 AGG_UDP_PORT = 47100           # outside 50000-50015: the switch routes it, does not add it
 WORKER_UDP_PORT = 47200
@@ -38,16 +54,6 @@ GLOO_PORT = 47300
 
 
 def _worker(rank, cfg, queue):
-    import numba
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import thc
-    from host.ddp_hook import thc_hook, thc_hook_state
-    from host.netlab.shaped_links import enter_netns
-    from host.transport import default_policy
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     try:
@@ -93,28 +99,13 @@ def _worker(rank, cfg, queue):
         queue.put((rank, {"crash": traceback.format_exc()}))
 
 
-def disable_offloads(tb) -> None:
-    """Plain MTU-sized frames on every veth (the switch's af_packet rings take no TSO/GRO
-    super-frames)."""
-    for h in tb.hosts:
-        for ns, dev in ((h.ns, h.host_if), (None, h.root_if)):
-            cmd = ["ethtool", "-K", dev, "tx", "off", "tso", "off", "gso", "off", "gro", "off"]
-            if ns:
-                cmd = ["ip", "netns", "exec", ns] + cmd
-            subprocess.run(cmd, capture_output=True)
-
-
 def run_mode(mode: str, args) -> dict:
     """One training run through a fresh switch; returns the workers' and switch's numbers."""
-    import torch.multiprocessing as mp
-
-    from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
-    from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
-    from dataplane.udp_service import serve
-    from host.netlab.dpdk_bottleneck import NetnsTestbed, in_netns
     world = args.workers
-    with NetnsTestbed(num_senders=world, tag=f"ic{os.getpid() % 10000}") as tb:
-        disable_offloads(tb)
+    # offloads off: plain MTU-sized frames (the switch's af_packet rings take no TSO/GRO
+    # super-frames)
+    with Topology(world + 1, layout="routed", offloads=False,
+                  tag=f"ic{os.getpid() % 10000}") as tb:
         agg_host = tb.receiver
         members = [Member(worker=w, port=w, mac=h.mac, ip=h.ip, udp_port=WORKER_UDP_PORT)
                    for w, h in enumerate(tb.senders)]
@@ -125,7 +116,7 @@ def run_mode(mode: str, args) -> dict:
         dlcp = Dlcp(thresholds=default_thresholds(args.threshold, args.threshold_step),
                     capacity=args.capacity)
         switch = LiveSwitch(tb.switch_config(dlcp),
-                            af_packet_vdevs([h.root_if for h in tb.hosts]),
+                            af_packet_vdevs([h.switch_if for h in tb.hosts]),
                             port_rates={agg_host.port: args.rate_pps})
         switch.start()
         cfg = {"mode": mode, "world": world, "netns": [h.ns for h in tb.senders],
@@ -214,7 +205,6 @@ def add_arguments(ap) -> None:
 
 
 def run(args) -> dict:
-    from host.netlab.dpdk_bottleneck import live_switch_skip_reason
     why = live_switch_skip_reason()
     if why:
         raise SystemExit(f"cannot run the incast evaluation: {why}")
@@ -224,9 +214,6 @@ def run(args) -> dict:
 
 def plot(result, path) -> None:
     """Allreduce time per call, DLCP vs off (CDF)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for r in result["runs"]:
         ms = np.sort(np.asarray(r["call_seconds_ms"]))

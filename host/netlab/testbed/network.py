@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dataplane.config import ConfigError, Job, Member, SwitchConfig
-
+from dataplane.dpdk_runner import SWITCH_BIN
+from host.netlab import aggregators
+from host.netlab.links import netem_available, quiet_ipv6
 from host.netlab.testbed.mininet_loader import load_mininet
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = aggregators.REPO_ROOT
 SWITCH_KINDS = ("bmv2", "dpdk", "reference")
 AGG_UDP_PORT = 50000
 WORKER_UDP_BASE = 40000
 JOB_ID = 1
+HTB_R2Q = 10                   # the kernel's default rate-to-quantum divisor
+HTB_QUANTUM_RANGE = (1000, 200_000)   # quanta the kernel takes without a warning
 
 
 class TestbedError(RuntimeError):
@@ -76,7 +79,6 @@ def switch_available(kind: str) -> tuple[bool, str]:
             return False, f"{DEFAULT_BMV2_JSON} missing and p4c not on PATH"
         return True, "BMv2 simple_switch_grpc"
     if kind == "dpdk":
-        from dataplane.dpdk_runner import SWITCH_BIN
         if not SWITCH_BIN.is_file():
             return False, f"{SWITCH_BIN} not built (make build)"
         return True, "DPDK thc_switch on af_packet ports"
@@ -105,19 +107,6 @@ def make_config(n_hosts: int, pool_size: int, values_per_packet: int = 64) -> Sw
     return SwitchConfig(mac="02:00:00:00:00:fe", ip="10.0.0.254", jobs=(job,)).validate()
 
 
-def netem_available() -> bool:
-    """sch_netem is a kernel module some kernels (containers) lack; delay/loss need it."""
-    name = f"nq{os.getpid() % 100000}"
-    if subprocess.run(["ip", "link", "add", name, "type", "dummy"],
-                      capture_output=True).returncode != 0:
-        return False
-    try:
-        return subprocess.run(["tc", "qdisc", "add", "dev", name, "root", "netem", "delay", "1ms"],
-                              capture_output=True).returncode == 0
-    finally:
-        subprocess.run(["ip", "link", "del", name], capture_output=True)
-
-
 def check_options(opts: TestbedOptions) -> None:
     if os.geteuid() != 0:
         raise TestbedError("the testbed needs root (network namespaces, veth, tc)")
@@ -131,12 +120,40 @@ def check_options(opts: TestbedOptions) -> None:
 
 
 # --------------------------------------------------------------------------- Mininet parts
+def htb_quantum(bw_mbit: float) -> int:
+    """The htb quantum the kernel would pick for a class at bw_mbit (rate / r2q, clamped),
+    given explicitly: then the kernel does not warn that it is big (or small)."""
+    low, high = HTB_QUANTUM_RANGE
+    return int(min(max(bw_mbit * 1e6 / 8 / HTB_R2Q, low), high))
+
+
 def _classes():
+    # Mininet is imported only when a testbed is built: the CLI's --help and the config
+    # helpers work without it.
     load_mininet()
-    from mininet.link import TCLink
+    from mininet.link import TCIntf, TCLink
     from mininet.net import Mininet
     from mininet.node import Host, Switch
-    return Mininet, Host, Switch, TCLink
+    return Mininet, Host, Switch, _quiet_tclink(TCIntf, TCLink)
+
+
+def _quiet_tclink(TCIntf, TCLink):
+    class QuietTCIntf(TCIntf):
+        """TCIntf whose htb class names its quantum, so `tc` prints no warning that
+        Mininet would report as `*** Error: Warning: sch_htb: quantum ... is big`."""
+
+        def bwCmds(self, bw=None, **params):
+            cmds, parent = super().bwCmds(bw=bw, **params)
+            return [c + f" quantum {htb_quantum(bw)}" if " htb rate " in c else c
+                    for c in cmds], parent
+
+    class QuietTCLink(TCLink):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("cls1", QuietTCIntf)
+            kwargs.setdefault("cls2", QuietTCIntf)
+            super().__init__(*args, **kwargs)
+
+    return QuietTCLink
 
 
 def _bridge_class(Switch):
@@ -146,6 +163,7 @@ def _bridge_class(Switch):
         def start(self, controllers):
             self.cmd("ip link del", self, "2>/dev/null")
             self.cmd("ip link add name", self, "type bridge stp_state 0")
+            quiet_ipv6(self.name)
             for intf in self.intfList():
                 if self.name in intf.name:
                     self.cmd("ip link set", intf, "master", self)
@@ -167,7 +185,6 @@ def _port_switch_class(Switch):
             for intf in self.intfList():
                 if self.name in intf.name:
                     self.cmd("ip link set", intf, "up")
-                    self.cmd(f"sysctl -qw net.ipv6.conf.{intf}.disable_ipv6=1")
 
         def stop(self, deleteIntfs=True):
             super().stop(deleteIntfs)
@@ -213,13 +230,14 @@ class Testbed:
             link_opts["loss"] = self.opts.loss
         self.hosts = []
         for m in sorted(self.config.jobs[0].members, key=lambda m: m.worker):
-            h = net.addHost(f"{self.tag}h{m.worker + 1}", ip=f"{m.ip}/24", mac=m.mac)
-            net.addLink(h, self.switch, **link_opts)     # switch port = worker id
+            h = self._quiet_host(net.addHost(f"{self.tag}h{m.worker + 1}", ip=f"{m.ip}/24",
+                                             mac=m.mac))
+            self._quiet_link(net.addLink(h, self.switch, **link_opts))  # port = worker id
             self.hosts.append((h, m))
         if self.kind == "reference":
-            self.agg_host = net.addHost(f"{self.tag}a", ip=f"{self.config.ip}/24",
-                                        mac=self.config.mac)
-            net.addLink(self.agg_host, self.switch)
+            self.agg_host = self._quiet_host(net.addHost(
+                f"{self.tag}a", ip=f"{self.config.ip}/24", mac=self.config.mac))
+            self._quiet_link(net.addLink(self.agg_host, self.switch))
         net.build()
         net.start()
         # Static ARP: the P4/DPDK switch answers no ARP, and on the bridge it saves the
@@ -227,65 +245,61 @@ class Testbed:
         for h, _ in self.hosts:
             h.cmd("ip neigh replace", self.config.ip, "lladdr", self.config.mac,
                   "dev", h.defaultIntf())
-            # no IPv6 router solicitations: the switch would count them as not routable
-            h.cmd("sysctl -qw net.ipv6.conf.all.disable_ipv6=1")
         if self.kind == "reference":
             for _, m in self.hosts:
                 self.agg_host.cmd("ip neigh replace", m.ip, "lladdr", m.mac,
                                   "dev", self.agg_host.defaultIntf())
         self._start_aggregator()
 
+    @staticmethod
+    def _quiet_host(host):
+        """IPv6 off in a host's namespace before its links exist: no router solicitation
+        or neighbour discovery, which a switch would count as not routable."""
+        host.cmd("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+                 "net.ipv6.conf.default.disable_ipv6=1")
+        return host
+
+    @staticmethod
+    def _quiet_link(link) -> None:
+        """IPv6 off on the switch's end of a link (it lives in this namespace)."""
+        quiet_ipv6(link.intf2.name)
+
     def _switch_ports(self) -> list[str]:
         """Switch interfaces in port order (port p = the link to worker p)."""
         return [str(h.connectionsTo(self.switch)[0][1]) for h, _ in self.hosts]
 
     def _start_aggregator(self) -> None:
-        if self.kind == "reference":
-            self.agg_process = self.agg_host.popen(
-                [sys.executable, "-m", "dataplane.udp_service", "--config",
-                 str(self.config_path), "--host", self.config.ip, "--port", str(AGG_UDP_PORT),
-                 "--counters-json", str(self.workdir / "counters.json")],
-                cwd=str(REPO_ROOT), env=self._env(), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True)
-            line = self.agg_process.stdout.readline()
-            if "serving" not in line:
-                raise TestbedError(f"the reference UDP service did not start: {line.strip()}")
-        elif self.kind == "dpdk":
-            from dataplane.dpdk_config import write_config
-            from dataplane.dpdk_runner import SWITCH_BIN, eal_args
-            conf = write_config(self.config, self.workdir / "dpdk_switch.conf")
-            vdevs = [f"net_af_packet{p},iface={intf}"
-                     for p, intf in enumerate(self._switch_ports())]
-            self.agg_process = subprocess.Popen(
-                [str(SWITCH_BIN), *eal_args(vdevs), "--", "--config", str(conf),
-                 "--stats", str(self.workdir / "dpdk_stats.json")],
-                stdout=open(self.workdir / "dpdk_switch.log", "w"), stderr=subprocess.STDOUT)
-            time.sleep(1.0)           # EAL start-up; a failed start shows in poll()
-            if self.agg_process.poll() is not None:
-                raise TestbedError("thc_switch exited at start: see "
-                                   f"{self.workdir / 'dpdk_switch.log'}")
-        else:
-            from dataplane.bmv2.switch import Bmv2StartError, Bmv2Switch, compile_program
-            from dataplane.bmv2.control import DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4Controller
-            compile_program()
-            # A free gRPC port: gRPC servers share a port (SO_REUSEPORT), so a fixed one
-            # could reach a stale switch instead of this one.
-            switch = Bmv2Switch(dict(enumerate(self._switch_ports())), self.workdir / "bmv2.log")
-            try:
-                switch.start()
-            except Bmv2StartError as exc:
-                raise TestbedError(str(exc)) from exc
-            self.agg_process = switch.process
-            self.controller = P4Controller(switch.grpc_addr, timeout=20.0)
-            self.controller.connect(DEFAULT_P4INFO, DEFAULT_BMV2_JSON)
-            self.controller.install(self.config)
-            switch.set_queue_depth()       # the DLCP stage's queue depth (p4control)
+        try:
+            if self.kind == "reference":
+                self.agg_process = aggregators.start_reference(
+                    self.agg_host.popen, self.config_path, self.config.ip, AGG_UDP_PORT,
+                    counters_json=self.workdir / "counters.json")
+            elif self.kind == "dpdk":
+                vdevs = [f"net_af_packet{p},iface={intf}"
+                         for p, intf in enumerate(self._switch_ports())]
+                self.agg_process = aggregators.start_dpdk(subprocess.Popen, self.config, vdevs,
+                                                          self.workdir)
+            else:
+                self._start_bmv2()
+        except aggregators.AggregatorError as exc:
+            raise TestbedError(str(exc)) from exc
 
-    @staticmethod
-    def _env() -> dict:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        return env
+    def _start_bmv2(self) -> None:
+        from dataplane.bmv2.switch import Bmv2StartError, Bmv2Switch, compile_program
+        from dataplane.bmv2.control import DEFAULT_BMV2_JSON, DEFAULT_P4INFO, P4Controller
+        compile_program()
+        # A free gRPC port: gRPC servers share a port (SO_REUSEPORT), so a fixed one
+        # could reach a stale switch instead of this one.
+        switch = Bmv2Switch(dict(enumerate(self._switch_ports())), self.workdir / "bmv2.log")
+        try:
+            switch.start()
+        except Bmv2StartError as exc:
+            raise TestbedError(str(exc)) from exc
+        self.agg_process = switch.process
+        self.controller = P4Controller(switch.grpc_addr, timeout=20.0)
+        self.controller.connect(DEFAULT_P4INFO, DEFAULT_BMV2_JSON)
+        self.controller.install(self.config)
+        switch.set_queue_depth()       # the DLCP stage's queue depth (p4control)
 
     # -- run --
     def worker_command(self, member: Member) -> list[str]:
@@ -307,7 +321,7 @@ class Testbed:
     def run_hosts(self, progress=None) -> dict[str, dict]:
         procs = []
         for h, m in self.hosts:
-            p = h.popen(self.worker_command(m), cwd=str(REPO_ROOT), env=self._env(),
+            p = h.popen(self.worker_command(m), cwd=str(REPO_ROOT), env=aggregators.python_env(),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self.processes.append(p)
             procs.append((h, p))
@@ -347,13 +361,7 @@ class Testbed:
         return counters
 
     def _stop_agg_process(self) -> None:
-        if self.agg_process is not None and self.agg_process.poll() is None:
-            self.agg_process.send_signal(signal.SIGTERM)
-            try:
-                self.agg_process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.agg_process.kill()
-                self.agg_process.wait()
+        aggregators.stop(self.agg_process, timeout=10)
 
     # -- tear down --
     def teardown(self) -> None:
