@@ -22,6 +22,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from dataplane.wire import L2L4_LEN
 from dataplane.config import Dlcp
 from host.netlab.links import in_netns
 from host.netlab.topology import Host
@@ -106,7 +107,7 @@ def ipv4_checksum_ok(header: bytes) -> bool:
 
 
 def parse_probe(frame: bytes, stamp: float = 0.0) -> Received | None:
-    if len(frame) < 42 or frame[12:14] != b"\x08\x00" or frame[23] != 17:
+    if len(frame) < L2L4_LEN or frame[12:14] != b"\x08\x00" or frame[23] != 17:
         return None
     ihl = (frame[14] & 0x0F) * 4
     udp = 14 + ihl

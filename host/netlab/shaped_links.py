@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dataplane.wire import AGG_PORT_BASE
 from dataplane.config import Job, Member, SwitchConfig
 from dataplane.dpdk_runner import af_packet_vdevs
 from host.netlab import aggregators
 
 WORKER_UDP_PORT = 40000
-AGG_PORT = 50000
+AGG_PORT = AGG_PORT_BASE
 GLOO_PORT = 29600
 
 

@@ -190,7 +190,7 @@ def test_counters_match_section_6(dpdk_run):
 # ---------------------------------------------------------------------------- rated port
 
 RATE_PPS = 200.0
-TOKEN_BURST = 32        # the switch's token bucket holds at most one burst (main.c BURST_SIZE)
+TOKEN_BURST = 32        # the switch's token bucket holds at most one burst (BURST_SIZE in dataplane/dpdk/switch_app.h)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 reference = pytest.importorskip("dataplane.reference", reason="reference switch not available")
+from dataplane.wire import L2L4_LEN
 from dataplane.config import Dlcp, Route, SwitchConfig, default_thresholds  # noqa: E402
 from host.dlcp.marking import ECN_CE, ECN_ECT0, ECN_NOT_ECT, DlcpPolicy, layer_band  # noqa: E402
 from host.dlcp.transport import (encode_segments,  # noqa: E402
@@ -84,7 +85,7 @@ def test_marked_traffic_through_reference_switch_then_real_receiver(receiver):
     key = raw.announce([(1000 + lay, tensors[lay].size, 0.0) for lay in range(NUM_LAYERS)])
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     for f in out:
-        payload = f[42:]
+        payload = f[L2L4_LEN:]
         udp.sendmsg([payload], [(socket.IPPROTO_IP, socket.IP_TOS, bytes([f[15]]))], 0, receiver.udp_addr)
     raw.settle(until_udp=len(out))
     assert sum(v for tos, v in receiver.tos_counts.items() if tos & 3 == ECN_CE) == \

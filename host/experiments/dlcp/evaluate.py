@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from dataplane.wire import L2L4_LEN
 from host.dlcp.marking import DlcpPolicy
 from host.dlcp.transport import (VALUES_PER_SEGMENT, DlcpReceiver, DlcpSender, LossBounds,
                                  TensorToSend, segment_count)
@@ -53,7 +54,7 @@ from host.netlab.topology import Topology
 
 WORKER_IP, PS_IP = "10.77.1.2", "10.77.9.2"   # the routed layout's sender and receiver
 DATA_PORT, CTRL_PORT, BG_PORT = 41000, 41001, 41002
-FRAME_BYTES = 1400 + 16 + 42
+FRAME_BYTES = 1400 + 16 + L2L4_LEN
 SCHEMES = ("dlcp", "udp_timer", "tcp")
 
 
@@ -455,7 +456,8 @@ def plot(results: dict, args, img_dir: Path) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="DLCP incast evaluation (needs root: netns)")
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.dlcp.evaluate",
+                                 description="DLCP incast evaluation (needs root: netns)")
     ap.add_argument("--role", choices=("driver", "ps", "worker", "background"), default="driver")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--scheme", default="dlcp")

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dataplane.wire import AGG_PORT_BASE
 from dataplane.config import ConfigError, Job, Member, SwitchConfig
 from dataplane.dpdk_runner import SWITCH_BIN
 from host.netlab import aggregators
@@ -32,7 +33,7 @@ from host.netlab.testbed.mininet_loader import load_mininet
 
 REPO_ROOT = aggregators.REPO_ROOT
 SWITCH_KINDS = ("bmv2", "dpdk", "reference")
-AGG_UDP_PORT = 50000
+AGG_UDP_PORT = AGG_PORT_BASE
 WORKER_UDP_BASE = 40000
 JOB_ID = 1
 HTB_R2Q = 10                   # the kernel's default rate-to-quantum divisor
