@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # The main job: THC in-network training (N workers + the reference aggregator) vs fp32.
 MAIN_JOB    ?= host.experiments.main_job
 
-.PHONY: setup sysdeps venv build run demo test bench clean p4 testbed
+.PHONY: setup sysdeps venv build native run demo test bench clean p4 testbed
 
 setup: sysdeps venv build
 
@@ -40,11 +40,20 @@ $(STAMP)/venv: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU build of torch when none is installed (a bare "torch" pulls CUDA).
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[dev]'
+	# NVIDIA's compiler wheels (extra cuda-compile) where the platform has them; without
+	# them the PTX test skips.
+	$(PIP) install -q -e '.[dev,cuda-compile]' || { echo "CUDA compiler wheels not installed (no wheel for this platform?): the PTX test will skip"; $(PIP) install -q -e '.[dev]'; }
 	@touch $@
 
-build: sysdeps
+build: sysdeps native
 	@if [ -f dataplane/dpdk/Makefile ]; then $(MAKE) -C dataplane/dpdk; fi
+
+# The worker's native data path (host/native/__init__.py loads it with ctypes).
+NATIVE_SRC  ?= host/native/datapath.c
+NATIVE_SO   ?= host/native/_datapath.so
+native: $(NATIVE_SO)
+$(NATIVE_SO): $(NATIVE_SRC)
+	$(CC) -O2 -g -Wall -Wextra -fPIC -shared -o $@ $<
 
 run: setup
 	$(PY) -m $(MAIN_JOB)

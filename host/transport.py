@@ -5,7 +5,7 @@ gets back the 8-bit lane sums of every worker's table values, plus the contribut
 of each packet. The aggregator is reached by address: the reference UDP service, the DPDK
 switch, BMv2 or Tofino all look the same from here (docs/protocol.md).
 
-How a tensor moves (docs/protocol.md §4.4, DESIGN.md §4):
+How a tensor moves (docs/protocol.md §4.4):
 * chunk c (values [c*vpp, (c+1)*vpp)) goes to slot c mod pool; the slot's round counter
   is kept across calls, +1 per use, identically on every worker (all workers call with the
   same tensor sizes in the same order, which the allreduce layer checks);
@@ -28,10 +28,14 @@ stream is finished is one predicate (`TensorStream.finish(until=...)`): all chun
 default; a bounded-loss rule would finish at a fraction of them and give the rest up.
 
 Datagrams go through host.datagram (sendmmsg/recvmmsg, UDP GSO on request, a
-send/recv_into loop elsewhere); all header work is vectorized (host.packets).
+send/recv_into loop elsewhere); all header work is vectorized (host.packets). By default
+the exchange loop itself (window, sends, receives, timers, scatter) runs in C, entered
+once per stream operation without the GIL (host.native, `native=`): the same datagrams
+and results; what it hands back to Python is listed in host/native/__init__.py.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dataplane.config import DEFAULT_VALUES_PER_PACKET
+from host import native as native_datapath
 from host.datagram import (SOCKET_BUFFER_BYTES, DatagramSocket, PacketRows,  # noqa: F401
                            gso_available, mmsg_available)
 from host.packets import (FLAG_RETX, HEADER_DTYPE, HEADER_LEN, TYPE_FLUSH, TYPE_RESULT,
@@ -195,7 +200,10 @@ class AggregatorTransport:
     it; default any address, an ephemeral port); policy: the DSCP/ECN hook (see
     default_policy); on_straggler: "raise" or "skip" (see the module docstring);
     batched / gso: force the datagram path's sendmmsg/recvmmsg and UDP GSO on or off
-    (default: batched where this system has it, GSO only with THC_GSO=1; host.datagram).
+    (default: batched where this system has it, GSO only with THC_GSO=1; host.datagram);
+    native: the exchange loop in C (host.native; True: required, False: the Python path,
+    None: native where it is built and loads, else the Python path with a warning; either
+    way only while batched and without GSO).
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,
@@ -203,7 +211,7 @@ class AggregatorTransport:
                  timeout: float = 30.0, local=("0.0.0.0", 0), policy=default_policy,
                  timer: RetransmitTimer | None = None, on_straggler: str = "raise",
                  sock: socket.socket | None = None, batched: bool | None = None,
-                 gso: bool | None = None):
+                 gso: bool | None = None, native: bool | None = None):
         if not 1 <= values_per_packet <= MAX_VALUES:
             raise ValueError(f"values_per_packet {values_per_packet} must be in 1..{MAX_VALUES} "
                              "(the aggregator's MAX_VALUES)")
@@ -221,6 +229,12 @@ class AggregatorTransport:
             raise ValueError("on_straggler must be 'raise' or 'skip'")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
+        if native and not native_datapath.available():
+            raise TransportError(f"native=True, but the native data path is unavailable: "
+                                 f"{native_datapath.reason()}; or pass native=None/False")
+        if native is None and not native_datapath.available():
+            native_datapath.warn_once()
+        self.native = native_datapath.available() if native is None else bool(native)
         self.aggregator = parse_address(aggregator)
         self.job, self.worker, self.expected = job, worker, expected
         self.pool_size, self.vpp, self.min_count = pool_size, values_per_packet, min_count
@@ -337,22 +351,87 @@ class AggregatorTransport:
 
     # ----------------------------------------------------------------- the exchange loop
 
-    def _drive(self, stream: "TensorStream", until, block: bool = True) -> None:
+    def _drive(self, stream: "TensorStream", until, block: bool = True,
+               target: int | None = None) -> None:
         """Send what the window allows, retransmit what is late, apply what arrived, until
-        until() holds (block=False: one non-blocking round)."""
+        until() holds (block=False: one non-blocking round). target: until() means
+        "chunks [0, target) are done", which the native loop checks itself (whole in C)."""
         ex = stream.ex
+        if block and target is not None and self._native_for(stream):
+            self._run_native(stream, block=True, target=target)
+            return
         while True:
             self._round(stream)
             if not block or until():
                 return
             if ex.waiting_for_input():
-                raise TransportError(f"worker {self.worker}: tensor {ex.tensor} waits for "
-                                     "values that were never submitted")
+                raise self._never_submitted(ex)
             self.io.wait_readable(self._wait_time(stream))
             self._check_timeout(stream, until)
 
+    def _never_submitted(self, ex: "_Exchange") -> TransportError:
+        return TransportError(f"worker {self.worker}: tensor {ex.tensor} waits for values "
+                              "that were never submitted")
+
+    def _native_for(self, stream: "TensorStream") -> bool:
+        """Whether this stream's rounds run in C now (batched, no GSO: host.native)."""
+        return stream.native is not None and self.io.batched and not self.io.gso
+
+    def _run_native(self, stream: "TensorStream", *, block: bool, target: int) -> None:
+        """Rounds in C until chunks [0, target) are done (block=False: one round); what
+        the C loop hands back is finished here, as the Python path does it."""
+        ex = stream.ex
+        while True:
+            status = self._native_call(stream, block, target)
+            if status == native_datapath.DONE:
+                return
+            if status == native_datapath.NOTICE:
+                # A STRAGGLER notice: it and the datagrams after it go through _apply.
+                state = stream.native.state
+                if self._apply_received(ex, state.rx_next, state.rx_count):
+                    stream.last_progress = time.monotonic()
+            elif status == native_datapath.WAITING_INPUT:
+                raise self._never_submitted(ex)
+            elif status == native_datapath.TIMEOUT:
+                self._check_timeout(stream, lambda: ex.done_prefix() >= target)
+            else:
+                err = stream.native.state.err
+                exc = OSError(err, os.strerror(err))     # ECONNREFUSED: ConnectionRefusedError
+                if err == errno.ECONNREFUSED:
+                    raise self._unreachable(exc) from exc
+                raise exc
+
+    def _native_call(self, stream: "TensorStream", block: bool, target: int) -> int:
+        """One dp_run call: the scalars of the stream, the timer and the socket go in, and
+        come back with this call's counters."""
+        ex, timer, io, window = stream.ex, self.timer, self.io, stream.native
+        s = window.state
+        s.available, s.next_unsent, s.n_done = ex.available, ex._next_unsent, ex._n_done
+        s.done_prefix, s.ex_last_progress = ex._done_prefix, ex.last_progress
+        s.stream_last_progress, s.timeout = stream.last_progress, self.timeout
+        s.have_srtt, s.srtt, s.rttvar = timer.srtt is not None, timer.srtt or 0.0, timer.rttvar
+        s.rto_init, s.rto_min, s.rto_max = timer.rto_init, timer.rto_min, timer.rto_max
+        s.sock_tos, s.heard = io.tos, self._heard_from_aggregator
+        s.ect_retx = bool(getattr(self.policy, "ect_retransmissions", False))
+        try:
+            return window.run(block, target)
+        finally:
+            ex._next_unsent, ex._n_done, ex._done_prefix = s.next_unsent, s.n_done, s.done_prefix
+            ex.last_progress, stream.last_progress = s.ex_last_progress, s.stream_last_progress
+            if s.have_srtt:
+                timer.srtt, timer.rttvar = s.srtt, s.rttvar
+            io.tos, self._heard_from_aggregator = s.sock_tos, bool(s.heard)
+            io.rx_truncated += s.rx_truncated
+            stats = self.stats
+            for name in native_datapath.COUNTERS:
+                setattr(stats, name, getattr(stats, name) + getattr(s, name))
+            stats.rtt_samples.extend(window.rtt_samples())
+
     def _round(self, stream: "TensorStream") -> None:
         """One non-blocking round: take in results, send what the window allows, retransmit."""
+        if self._native_for(stream):
+            self._run_native(stream, block=False, target=0)
+            return
         ex = stream.ex
         # The caller may have been busy (codec work): first take in what arrived meanwhile,
         # so the chunks it completed neither count as late nor hold the window.
@@ -407,7 +486,8 @@ class AggregatorTransport:
         host, port = self.aggregator
         return AggregatorUnreachable(
             f"aggregator {host}:{port} refused the packets (ICMP port unreachable: nothing "
-            f"listens there): start the aggregator or fix --aggregator ({exc})")
+            "listens there): start the aggregator, or pass its HOST:PORT as aggregator= "
+            f"({exc})")
 
     def _receive(self, ex: "_Exchange") -> bool:
         """Drain the socket into the rx rows; apply what arrived. True on progress."""
@@ -422,8 +502,12 @@ class AggregatorTransport:
             return False
         self._heard_from_aggregator = True
         self.stats.packets_received += n
-        rows, lens = self.io.rx[:n], self.io.rx_len[:n]
-        self.stats.bytes_received += int(lens.sum())
+        self.stats.bytes_received += int(self.io.rx_len[:n].sum())
+        return self._apply_received(ex, 0, n)
+
+    def _apply_received(self, ex: "_Exchange", lo: int, n: int) -> bool:
+        """Apply the datagrams in receive rows [lo, n). True on progress."""
+        rows, lens = self.io.rx[lo:n], self.io.rx_len[lo:n]
         ok = lens >= HEADER_LEN
         self.stats.ignored += int((~ok).sum())
         rows, lens = rows[ok], lens[ok]
@@ -514,26 +598,53 @@ class AggregatorTransport:
         return [w for w in range(32) if (self.expected >> w) & 1 and not (have >> w) & 1]
 
     def _timeout_message(self, ex: "_Exchange", missing=None) -> str:
+        """What this worker knows: its bound address, the aggregator's, what it sent and
+        what came back, the likely cause, and where the aggregator's counters are."""
         waiting = np.flatnonzero(~ex.done)
         host, port = self.aggregator
-        head = (f"worker {self.worker}: no progress for {self.timeout:.1f} s on tensor "
-                f"{ex.tensor}: {len(waiting)} of {ex.n_chunks} chunks still wait for their "
-                f"result from aggregator {host}:{port}")
+        slots = np.unique(waiting % ex.pool) if len(waiting) else waiting
+        st = self.stats
+        head = (f"worker {self.worker} of job {self.job} (bound to {self._bound_address()}): "
+                f"no progress for {self.timeout:.1f} s on tensor {ex.tensor}: {len(waiting)} "
+                f"of {ex.n_chunks} chunks" + (f" (chunks {waiting[0]}..{waiting[-1]}, slots "
+                                              f"{slots[0]}..{slots[-1]} of pool "
+                                              f"{self.pool_size})" if len(waiting) else "") +
+                f" still wait for their result from aggregator {host}:{port}; this worker sent "
+                f"{st.packets_sent} packets ({st.retransmissions} retransmissions, "
+                f"{self.vpp} values per packet) and received {st.packets_received} "
+                f"({st.results_accepted} results, {st.ignored} ignored, "
+                f"{st.straggler_notices} straggler notices)")
+        counters = ("; the aggregator's counters say what it dropped and why (drop_not_member: "
+                    "this address is not the member's; drop_bad_length: values_per_packet "
+                    "above the job's; drop_bad_slot: pool_size above the job's; "
+                    "drop_unsatisfiable: more workers expected than the job has): "
+                    "svc.counters() of dataplane.udp_service.serve (its CLI prints them at "
+                    "exit and every --stats-interval s), or for the DPDK switch `kill -USR1 "
+                    "<thc_switch pid>` and read its --stats file")
         if not self._heard_from_aggregator:
-            return head + (" and nothing was ever received from it: is it running, reachable, "
-                           "and is this worker's address installed as a member of job "
-                           f"{self.job}?")
+            return head + (" and nothing ever came back: is the aggregator running and "
+                           "reachable, and does its job description make this address a "
+                           f"member of job {self.job} with these settings?" + counters)
         seen = int(np.bitwise_or.reduce(ex.contributors[ex.done])) if ex.done.any() else 0
         expected = [w for w in range(32) if (self.expected >> w) & 1]
         if missing:
             return head + (f"; the aggregator still waits for worker(s) {missing} (expected "
-                           f"{expected}): they stopped contributing (crashed, killed, hung, or "
-                           "calling allreduce with a different tensor sequence)")
+                           f"{expected}): they stopped contributing (crashed, killed, hung, "
+                           "calling allreduce with a different tensor sequence, or sending "
+                           "what the aggregator drops)" + counters)
         return head + (f"; expected workers {expected}; the aggregator answers, so a worker "
-                       "stopped contributing (crashed, killed, or calling allreduce with a "
-                       "different tensor sequence)" +
+                       "stopped contributing (crashed, killed, calling allreduce with a "
+                       "different tensor sequence, or sending what the aggregator drops)" +
                        (f"; workers seen in completed chunks: "
-                        f"{[w for w in range(32) if (seen >> w) & 1]}" if seen else ""))
+                        f"{[w for w in range(32) if (seen >> w) & 1]}" if seen else "") +
+                       counters)
+
+    def _bound_address(self) -> str:
+        try:
+            ip, port = self.sock.getsockname()[:2]
+        except OSError:                      # closed meanwhile
+            return "a closed socket"
+        return f"{ip}:{port}"
 
 
 class TensorStream:
@@ -563,6 +674,7 @@ class TensorStream:
         counts = np.minimum(vpp, num_values - chunks * vpp)
         self.rows = np.zeros((n_chunks, HEADER_LEN + (vpp + 1) // 2), np.uint8)
         self.packets = PacketRows(self.rows, HEADER_LEN + (counts + 1) // 2)
+        self.native = self._native_window() if t.native else None
         self.submitted = 0               # values submitted so far
         self.last_progress = time.monotonic()
         self.closed = False
@@ -576,6 +688,17 @@ class TensorStream:
             self._thread = threading.Thread(target=self._serve, name="thc-stream-io",
                                             daemon=True)
             self._thread.start()
+
+    def _native_window(self) -> native_datapath.NativeWindow:
+        """The C loop's view of this stream: its arrays, the socket, the receive rows."""
+        t, ex = self.transport, self.ex
+        return native_datapath.NativeWindow(
+            fd=t.sock.fileno(), pool=t.pool_size, job=t.job, tensor=ex.tensor,
+            num_values=ex.num_values, vpp=t.vpp, rows=self.rows, lengths=self.packets.lengths,
+            tos=self.packets.tos, rounds=ex.rounds, sent=ex.sent, done=ex.done,
+            retransmitted=ex.retransmitted, sent_at=ex.sent_at, deadline=ex.deadline,
+            backoff=ex.backoff, sums=ex.sums, counts=ex.counts, contributors=ex.contributors,
+            probed=ex.probed, rx=t.io.rx, rx_len=t.io.rx_len)
 
     @property
     def num_values(self) -> int:
@@ -638,7 +761,7 @@ class TensorStream:
         """Block until the sums of values [0, num_values) are in."""
         self._check_open()
         chunks = -(-num_values // self.transport.vpp)
-        self._drive(lambda: self.ex.done_prefix() >= chunks)
+        self._drive(lambda: self.ex.done_prefix() >= chunks, target=chunks)
 
     def wait_until(self, until) -> None:
         """Block until until() holds (it runs with the stream's state locked, so it may
@@ -666,17 +789,17 @@ class TensorStream:
         if self.submitted < ex.num_values:
             raise TransportError(f"finish: only {self.submitted} of {ex.num_values} values of "
                                  f"tensor {ex.tensor} were submitted")
-        self._drive(until or ex.all_done)
+        self._drive(until or ex.all_done, target=None if until else ex.n_chunks)
         self.close()
         # Every worker advanced each slot by the same number of uses.
         t = self.transport
         t.slot_rounds += np.bincount(self.slots, minlength=t.pool_size)
         return AllreduceResult(ex.sums, ex.counts, ex.contributors, t.vpp)
 
-    def _drive(self, until, block: bool = True) -> None:
+    def _drive(self, until, block: bool = True, target: int | None = None) -> None:
         try:
             if self._thread is None:
-                self.transport._drive(self, until, block=block)
+                self.transport._drive(self, until, block=block, target=target)
             elif block:
                 self._wait(until)
         except BaseException:

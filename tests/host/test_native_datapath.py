@@ -1,0 +1,270 @@
+"""The native worker data path (host/native) against the Python path: the same datagrams,
+the same results, the same errors, through the real reference UDP service on loopback."""
+import ctypes
+import os
+import select
+import shutil
+import socket
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+from host import native
+from host.netlab.relay import LossyRelay, agg_worker, random_loss
+from host.packets import FLAG_RETX, TYPE_DATA, decode_headers, header_types
+from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
+                            StragglerNotice, constant_policy)
+
+from hosttest_util import (TABLE, aggregator, pack,  # noqa: F401 (fixture)
+                           random_indices)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATHS = pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
+
+
+@pytest.fixture(autouse=True)
+def native_built():
+    """`make test` builds it first; a test run without the build says what to do."""
+    if not native.available():
+        pytest.fail(f"the native data path is not usable: {native.reason()}")
+
+
+class RecordingRelay:
+    """A real UDP socket standing in for the aggregator: it records every datagram a worker
+    sends (bytes and ToS byte, in arrival order) and forwards it to the real aggregator,
+    and the aggregator's answers back."""
+
+    def __init__(self, aggregator_address):
+        self.aggregator = aggregator_address
+        self.front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.front.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        self.front.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.front.bind(("127.0.0.1", 0))
+        self.back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.back.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.back.bind(("127.0.0.1", 0))
+        self.address, self.member_address = self.front.getsockname(), self.back.getsockname()
+        self.received: list[tuple[bytes, int]] = []
+        self.worker = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            readable, _, _ = select.select([self.front, self.back], [], [], 0.05)
+            if self.front in readable:
+                data, anc, _, self.worker = self.front.recvmsg(65536, socket.CMSG_SPACE(4))
+                tos = [c[2][0] for c in anc if c[1] == socket.IP_TOS]
+                self.received.append((data, tos[0] if tos else 0))
+                self.back.sendto(data, self.aggregator)
+            if self.back in readable:
+                data = self.back.recv(65536)
+                self.front.sendto(data, self.worker)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close()
+        self.back.close()
+
+
+def _first_transmissions(received):
+    """The DATA datagrams as first sent (no RETX flag), in order."""
+    out = []
+    for data, tos in received:
+        hdr = decode_headers([data])
+        if header_types(hdr)[0] == TYPE_DATA and not hdr["flags"][0] & FLAG_RETX:
+            out.append((data, tos))
+    return out
+
+
+def _marking_policy(*, layer, num_layers, values, values_per_packet, num_packets):
+    """DSCP in runs of three and alternating ECN: a ToS that changes within every batch."""
+    dscp = (40 + (np.arange(num_packets) // 3) % 3).astype(np.uint8)
+    return dscp, (np.arange(num_packets) % 2).astype(np.uint8)
+
+
+@pytest.mark.parametrize("policy", [constant_policy(46), _marking_policy],
+                         ids=["one-tos", "tos-per-packet"])
+def test_both_paths_send_byte_identical_datagrams(aggregator, policy):
+    """One worker, a tensor of 41 chunks through a pool of 4 (ten windows), streamed in
+    three submissions; the relay in front of the reference service records every datagram."""
+    d, vpp, pool = 40 * 256 + 17, 256, 4
+    idx = random_indices(1, d, 21)[0]
+    cuts = [0, 10 * 256, 30 * 256, d]
+    sent, results, counters = {}, {}, {}
+    for use_native in (True, False):
+        relay = RecordingRelay(None)
+        svc, _ = aggregator(1, pool, addresses=[relay.member_address])
+        relay.aggregator = svc.address
+        t = AggregatorTransport(relay.address, job=1, worker=0, expected=1, pool_size=pool,
+                                values_per_packet=vpp, timeout=10, policy=policy,
+                                native=use_native)
+        t.flush(repeats=1)
+        for tensor in (3, 4):                              # two calls: rounds move on
+            stream = t.open_stream(d, tensor)
+            assert (stream.native is not None) == use_native
+            for lo, hi in zip(cuts, cuts[1:]):
+                stream.submit(pack(idx[lo:hi]), hi - lo)
+            results[use_native, tensor] = stream.finish()
+        sent[use_native] = _first_transmissions(relay.received)
+        counters[use_native] = svc.counters()["jobs"][1]
+        assert t.stats.packets_sent == len(relay.received)
+        t.close()
+        relay.close()
+    assert len(sent[True]) == 2 * 41
+    assert sent[True] == sent[False]                       # bytes, ToS and order
+    if policy is _marking_policy:
+        assert len({tos for _, tos in sent[True]}) == 6
+    for tensor in (3, 4):
+        for use_native in (True, False):
+            res = results[use_native, tensor]
+            assert np.array_equal(res.sums, TABLE[idx])
+            assert res.counts.tolist() == [1] * 41
+    keys = ("results_multicast", "straggler_notices", "drop_bad_expected", "drop_not_member")
+    assert [counters[True][k] for k in keys] == [counters[False][k] for k in keys]
+    assert counters[True]["results_multicast"] == 2 * 41
+
+
+def _allreduce_all(svc_address, addresses, n, pool, vpp, tensors, native_of, timeout=15):
+    """n workers in threads, one transport each (worker w native when native_of(w)),
+    allreduce every tensor; returns per worker the results and the transport."""
+    ts = [AggregatorTransport(svc_address, job=1, worker=w, expected=(1 << n) - 1,
+                              pool_size=pool, local=addresses[w], values_per_packet=vpp,
+                              timeout=timeout, native=native_of(w)) for w in range(n)]
+    for t in ts:
+        t.flush()
+    results, errors = [None] * n, []
+
+    def work(w):
+        try:
+            results[w] = [ts[w].allreduce(pack(idx[w]), len(idx[w]), k)
+                          for k, idx in enumerate(tensors)]
+        except Exception as exc:          # re-raised in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    for t in ts:
+        t.close()
+    if errors:
+        raise errors[0]
+    return results, ts
+
+
+def test_identical_allreduce_results_through_a_lossy_path(aggregator):
+    """Three workers through a relay that drops 2% both ways: retransmissions happen, and
+    the native and the Python path give the same, exact sums."""
+    n, pool, vpp = 3, 8, 512
+    tensors = [random_indices(n, d, seed) for seed, d in ((1, 60 * 512), (2, 37 * 512 + 99))]
+    expected = [np.sum([TABLE[i] for i in idx], axis=0) for idx in tensors]
+    by_path, retx = {}, {}
+    for use_native in (True, False):
+        with LossyRelay(("127.0.0.1", 0), random_loss(0.02, seed=5), members=n,
+                        member_of=agg_worker) as relay:
+            svc, _ = aggregator(n, pool, addresses=relay.member_addresses)
+            relay.target = svc.address
+            results, ts = _allreduce_all(relay.address, [("127.0.0.1", 0)] * n, n, pool, vpp,
+                                         [list(idx) for idx in tensors],
+                                         lambda w: use_native)
+            assert relay.counters["dropped_up"] > 0 and relay.counters["dropped_down"] > 0
+        by_path[use_native] = results
+        retx[use_native] = sum(t.stats.retransmissions for t in ts)
+        assert all(t.native == use_native for t in ts)
+        if use_native:
+            assert all(t.stats.rtt_samples for t in ts)    # the C loop's timer samples
+    assert retx[True] > 0 and retx[False] > 0
+    for use_native in (True, False):
+        for worker_results in by_path[use_native]:
+            for res, exp in zip(worker_results, expected):
+                assert np.array_equal(res.sums.astype(np.int64), exp)
+                assert set(res.counts.tolist()) == {n}
+                assert set(res.contributors.tolist()) == {(1 << n) - 1}
+
+
+def test_native_and_python_workers_share_one_job(aggregator):
+    """Worker 0 on the native path, the others on the Python path, in one job."""
+    n, pool, vpp = 3, 4, 1024
+    svc, addrs = aggregator(n, pool)
+    tensors = [random_indices(n, 25 * 1024 + 5, 9)]
+    results, ts = _allreduce_all(svc.address, addrs, n, pool, vpp,
+                                 [list(idx) for idx in tensors], lambda w: w == 0)
+    expected = np.sum([TABLE[i] for i in tensors[0]], axis=0)
+    assert [t.native for t in ts] == [True, False, False]
+    for worker_results in results:
+        assert np.array_equal(worker_results[0].sums.astype(np.int64), expected)
+    assert svc.counters()["jobs"][1]["results_multicast"] == 26
+
+
+@PATHS
+def test_a_straggler_notice_gives_the_same_error_or_give_up(aggregator, use_native):
+    for on_straggler in ("raise", "skip"):
+        svc, addrs = aggregator(1, 1)
+        t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=1,
+                                local=addrs[0], values_per_packet=8, timeout=5,
+                                on_straggler=on_straggler, native=use_native)
+        for _ in range(3):                                 # slot 0 reaches round 2
+            t.allreduce(np.zeros(4, np.uint8), 8, 0)
+        t.slot_rounds[:] = 0                               # as if this worker restarted
+        if on_straggler == "raise":
+            with pytest.raises(StragglerNotice, match="round 2 but this worker sent round 0"):
+                t.allreduce(np.zeros(4, np.uint8), 8, 0)
+        else:
+            res = t.allreduce(np.zeros(4, np.uint8), 8, 0)
+            assert res.counts.tolist() == [0] and t.stats.straggler_notices == 1
+        t.close()
+
+
+@PATHS
+def test_unreachable_and_silent_aggregators_give_the_same_errors(use_native):
+    port = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    port.bind(("127.0.0.1", 0))
+    gone = port.getsockname()
+    port.close()                                           # nothing listens there now
+    t = AggregatorTransport(gone, job=1, worker=0, expected=1, pool_size=2, timeout=5,
+                            native=use_native)
+    with pytest.raises(AggregatorUnreachable, match="nothing listens"):
+        t.allreduce(np.zeros(10, np.uint8), 20, 0)
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    t = AggregatorTransport(silent.getsockname(), job=1, worker=0, expected=1, pool_size=2,
+                            timeout=0.5, native=use_native)
+    with pytest.raises(AggregatorTimeout, match="nothing was ever received"):
+        t.allreduce(np.zeros(10, np.uint8), 20, 0)
+    assert t.stats.retransmissions > 0                     # the timer ran meanwhile
+    silent.close()
+
+
+def test_a_missing_or_broken_library_is_reported(tmp_path):
+    lib, reason = native.open_library(str(tmp_path / "absent.so"))
+    assert lib is None and "is not built (run `make build`)" in reason
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not an ELF file")
+    lib, reason = native.open_library(str(broken))
+    assert lib is None and "does not load" in reason and "make build" in reason
+
+
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("cc") is None,
+                    reason="no make or cc here")
+def test_the_makefile_builds_the_shared_object(tmp_path):
+    """`make native` (a dependency of `make build`) compiles datapath.c into a shared
+    object that loads and matches the loader's struct, and rebuilds when the .c changes."""
+    src, so = tmp_path / "datapath.c", tmp_path / "datapath.so"
+    shutil.copy(os.path.join(REPO, "host", "native", "datapath.c"), src)
+    paths = [f"NATIVE_SRC={src}", f"NATIVE_SO={so}"]
+    dry = subprocess.run(["make", "-n", "build", *paths], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert f"-o {so} {src}" in dry.stdout, dry.stdout + dry.stderr
+    subprocess.run(["make", "native", *paths], cwd=REPO, check=True, capture_output=True,
+                   timeout=120)
+    lib, reason = native.open_library(str(so))
+    assert reason is None and lib.dp_stream_size() == ctypes.sizeof(native.DpStream)
+    up_to_date = ["make", "-q", "native", *paths]
+    assert subprocess.run(up_to_date, cwd=REPO, timeout=60).returncode == 0
+    os.utime(src, (os.path.getmtime(so) + 5,) * 2)         # the .c changed
+    assert subprocess.run(up_to_date, cwd=REPO, timeout=60).returncode == 1
