@@ -4,7 +4,7 @@
     python -m host.experiments.bench_allreduce --sizes-mb 1,4,16 --json out/bench_allreduce.json
 
 Each worker lives in its own network namespace, linked to a bridge by a veth pair shaped to
-the link rate in both directions (host.netlab.netem.NetnsTestbed). Side by side in one run:
+the link rate in both directions (host.netlab.topology.Topology). Side by side in one run:
   thc-agg    THC through the reference aggregator, which sits on the bridge (in the switch
              namespace), so its traffic crosses only the workers' links: in-network
              aggregation, 4 bits up and 8 bits down per value;
@@ -14,7 +14,13 @@ the link rate in both directions (host.netlab.netem.NetnsTestbed). Side by side 
              output too). The process group (norm MAX exchange, barriers) runs over a
              separate unshaped control network, a few hundred bytes per call;
   thc-gloo   THC over gloo all_reduce(SUM) on uint8 lanes (no switch);
-  fp32-gloo  plain fp32 gloo all_reduce.
+  bf16-hook  what torch's DDP hook bf16_compress_hook does to a bucket: cast to bf16,
+             divide by the world size, gloo all_reduce, cast back (same process group
+             and links as fp32-gloo);
+  fp16-hook  the same with fp16 (fp16_compress_hook);
+  fp32-gloo  plain fp32 gloo all_reduce, divided by the world size.
+After the tables: each THC mode's time over bf16-hook's and over fp32-gloo's, at the same
+rate and size in this run (below 1: THC is faster); the JSON rows carry them too.
 `bound` is the bytes-on-the-wire limit of one worker link, the busier direction:
 thc-agg max(up, down) frame bytes; ring allreduces 2(n-1)/n of the buffer each way.
 Times are medians over --reps of the slowest worker (all_reduce MAX of the per-worker times).
@@ -23,14 +29,17 @@ size (peak RSS over the RSS after the warm-up call, which holds the input, the
 error-feedback state (1x the tensor) and the codec's and transport's set-up), the
 busiest worker's: the output and everything transient (`x tensor`: in tensor sizes).
 
-Packets: --values-per-packet (1024 default; up to the aggregator's MAX_VALUES) sets what
-the hosts send and the job description says; above 1440 values the links get jumbo
-frames (MTU 9000). THC modes are pipelined (--pipeline-values padded values per chunk,
-0 = whole tensors); --gso sends with UDP GSO (off by default, host.datagram).
+Packets: --values-per-packet (default 8192, the software aggregators' MAX_VALUES) sets
+what the hosts send and the job description says; above 1440 values the links get jumbo
+frames (MTU 9000), which veth links carry. THC modes are pipelined (--pipeline-values
+padded values per chunk, 0 = whole tensors); --gso sends with UDP GSO (off by default,
+host.datagram).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import json
 import os
 import subprocess
@@ -39,13 +48,27 @@ import tempfile
 import time
 from pathlib import Path
 
-from host.allreduce import DEFAULT_PIPELINE_VALUES
-from host.netlab.shaped_links import (AGG_PORT, GLOO_PORT, WORKER_UDP_PORT, job_config, python_env,
-                               start_dpdk, start_reference, stop)
+import numba
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-MODES = ("thc-agg", "thc-dpdk", "thc-gloo", "fp32-gloo")
+import thc
+from dataplane.config import MAX_VALUES
+from dataplane.dpdk_runner import SWITCH_BIN
+from host.allreduce import DEFAULT_PIPELINE_VALUES
+from host.ddp_hook import thc_hook_state
+from host.netlab.aggregators import python_env, stop
+from host.netlab.shaped_links import (AGG_PORT, GLOO_PORT, WORKER_UDP_PORT, job_config,
+                                      start_dpdk, start_reference)
+
+MODES = ("thc-agg", "thc-dpdk", "thc-gloo", "bf16-hook", "fp16-hook", "fp32-gloo")
 AGG_MODES = ("thc-agg", "thc-dpdk")
-VALUES_PER_PACKET = 1024
+THC_MODES = ("thc-agg", "thc-dpdk", "thc-gloo")
+HOOK_DTYPES = {"bf16-hook": torch.bfloat16, "fp16-hook": torch.float16}
+BASELINES = ("bf16-hook", "fp32-gloo")  # what each THC mode's time is divided by
+VALUES_PER_PACKET = MAX_VALUES          # veth links take the jumbo frames it needs
 FRAME_OVERHEAD = 14 + 20 + 8 + 32      # Ethernet + IPv4 + UDP + AGG header per packet
 STANDARD_MTU, JUMBO_MTU = 1500, 9000
 
@@ -58,7 +81,6 @@ def link_mtu(values_per_packet: int) -> int:
 def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: float,
                        values_per_packet: int = VALUES_PER_PACKET) -> float:
     """Time one worker link needs for the bytes it must carry (the busier direction)."""
-    import thc
     d = size_bytes // 4
     if mode in AGG_MODES:
         padded = thc.THCCodec().padded_length(d)
@@ -68,6 +90,8 @@ def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: floa
         busiest = max(up, down)
     elif mode == "thc-gloo":
         busiest = 2 * (workers - 1) / workers * thc.THCCodec().padded_length(d)
+    elif mode in HOOK_DTYPES:
+        busiest = 2 * (workers - 1) / workers * 2 * d
     else:
         busiest = 2 * (workers - 1) / workers * 4 * d
     return busiest * 8 / (rate_mbit * 1e6)
@@ -75,15 +99,15 @@ def wire_bound_seconds(mode: str, size_bytes: int, workers: int, rate_mbit: floa
 
 # --------------------------------------------------------------------------- worker side
 
+def compressed_mean(x: torch.Tensor, dtype: torch.dtype, world: int) -> torch.Tensor:
+    """The mean over the process group as torch's fp16/bf16_compress_hook computes it: cast,
+    divide by the world size, all_reduce(SUM) in that dtype, cast back."""
+    compressed = x.to(dtype).div_(world)
+    dist.all_reduce(compressed)
+    return compressed.to(x.dtype)
+
+
 def worker(args) -> None:
-    import datetime
-
-    import numba
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    from host.ddp_hook import thc_hook_state
     torch.set_num_threads(1)
     numba.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
@@ -91,6 +115,7 @@ def worker(args) -> None:
     state = None
     if args.mode in AGG_MODES:
         state = thc_hook_state(aggregator=args.aggregator, job=1, pool_size=args.pool_size,
+                               job_config=Path(args.out).parent / "job.json",
                                worker_address=(args.ip, WORKER_UDP_PORT), timeout=60,
                                values_per_packet=args.values_per_packet,
                                pipeline_values=args.pipeline_values)
@@ -107,7 +132,9 @@ def worker(args) -> None:
                 base = _reset_peak_rss()                 # after the warm-up's allocations
             dist.barrier()
             t0 = time.perf_counter()
-            if state is None:
+            if args.mode in HOOK_DTYPES:
+                compressed_mean(x, HOOK_DTYPES[args.mode], args.world)
+            elif state is None:
                 y = x.clone()
                 dist.all_reduce(y)
                 y /= args.world
@@ -143,7 +170,6 @@ def _status_bytes(field: str) -> int:
 def _reset_peak_rss() -> int | None:
     """Reset this process's peak RSS to its current RSS (Linux clear_refs 5); the RSS, or
     None where the kernel does not allow it."""
-    import gc
     gc.collect()
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -163,7 +189,7 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
     n = args.workers
     out = tmp / f"{mode}.json"
     # ports mode (DPDK switch): the process group uses the unshaped control network.
-    ports = tb.switch == "ports"
+    ports = tb.layout == "ports"
     env = python_env(GLOO_SOCKET_IFNAME="ctl0" if ports else "eth0")
     if args.gso and tb.gso:
         env["THC_GSO"] = "1"
@@ -195,7 +221,6 @@ def _run_mode(tb, mode, args, tmp: Path) -> dict:
 
 
 def _rows(times, mode, rate, tb, args) -> list[dict]:
-    import numpy as np
     rows = []
     for mb in args.sizes_mb:
         t = float(np.median(times[str(mb)]))
@@ -215,19 +240,18 @@ def _rows(times, mode, rate, tb, args) -> list[dict]:
 
 
 def run_benchmark(args) -> list[dict]:
-    from tqdm import tqdm
-
-    from host.netlab.netem import NetnsTestbed
+    from host.netlab.topology import Topology
     rows = []
     mtu = link_mtu(args.values_per_packet)
     bridged = [m for m in args.modes if m != "thc-dpdk"]
     bar = tqdm(total=len(args.rates_mbit) * len(args.modes), desc="bench_allreduce")
     for rate in args.rates_mbit:
         if bridged:
-            with NetnsTestbed(args.workers, rate, mtu=mtu) as tb, \
+            with Topology(args.workers, rate, mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
                 config = job_config(tb, args.pool_size,
                                     values_per_packet=args.values_per_packet)
+                config.save(Path(tmp) / "job.json")       # the workers' job_config
                 agg = start_reference(tb, config, Path(tmp)) \
                     if "thc-agg" in bridged else None
                 try:
@@ -237,10 +261,11 @@ def run_benchmark(args) -> list[dict]:
                 finally:
                     stop(agg)
         if "thc-dpdk" in args.modes:
-            with NetnsTestbed(args.workers, rate, switch="ports", mtu=mtu) as tb, \
+            with Topology(args.workers, rate, layout="ports", mtu=mtu) as tb, \
                     tempfile.TemporaryDirectory() as tmp:
                 config = job_config(tb, args.pool_size,
                                     values_per_packet=args.values_per_packet)
+                config.save(Path(tmp) / "job.json")       # the workers' job_config
                 switch = start_dpdk(tb, config, Path(tmp), args.switch_ring)
                 try:
                     rows += _rows(_run_mode(tb, "thc-dpdk", args, Path(tmp)), "thc-dpdk", rate,
@@ -257,31 +282,48 @@ def run_benchmark(args) -> list[dict]:
     return rows
 
 
+def add_ratios(rows) -> None:
+    """Give each THC row its time over each baseline's at the same rate and size
+    (`time_vs_bf16-hook`, `time_vs_fp32-gloo`; None where the baseline did not run)."""
+    for row in rows:
+        if row["mode"] not in THC_MODES:
+            continue
+        for base in BASELINES:
+            other = next((r for r in rows if r["mode"] == base
+                          and (r["rate_mbit"], r["size_mb"]) == (row["rate_mbit"], row["size_mb"])),
+                         None)
+            row[f"time_vs_{base}"] = row["median_s"] / other["median_s"] if other else None
+
+
+def _cells(rows):
+    """{(rate, size): {mode: row}} in rate, size order."""
+    cells = {}
+    for r in sorted(rows, key=lambda r: (r["rate_mbit"], r["size_mb"])):
+        cells.setdefault((r["rate_mbit"], r["size_mb"]), {})[r["mode"]] = r
+    return cells
+
+
+def _print_grid(cells, title: str, cell_text, width: int) -> None:
+    print(f"\n{title}\n{'link':>9} {'size MB':>8} " + " ".join(f"{m:>{width}}" for m in MODES))
+    for (rate, mb), row in cells.items():
+        print(f"{rate / 1000:>7g}G {mb:>8g} " + " ".join(
+            f"{cell_text(row[m], mb) if m in row else '-':>{width}}" for m in MODES))
+
+
 def print_table(rows) -> None:
-    print(f"\n{'link':>9} {'size MB':>8} " + " ".join(f"{m + ' ms':>13}" for m in MODES)
-          + "   " + " ".join(f"{m + ' bound':>16}" for m in MODES))
-    _print_rows(rows, "median_s", "bound_s")
-    print(f"\n{'link':>9} {'size MB':>8} "
-          + " ".join(f"{m + ' peak MB':>16}" for m in MODES) + "   (x tensor)")
-    for rate, mb in sorted({(r["rate_mbit"], r["size_mb"]) for r in rows}):
-        cells = {r["mode"]: r for r in rows if r["rate_mbit"] == rate and r["size_mb"] == mb}
-        text = []
-        for m in MODES:
-            peak = cells[m].get("peak_bytes") if m in cells else None
-            text.append(f"{peak / 2**20:>8.1f} ({peak / (mb * 2**20):>4.2f}x)" if peak is not None
-                        else f"{'-':>16}")
-        print(f"{rate / 1000:>7g}G {mb:>8g} " + " ".join(text))
-
-
-def _print_rows(rows, time_key, bound_key) -> None:
-    keys = sorted({(r["rate_mbit"], r["size_mb"]) for r in rows})
-    for rate, mb in keys:
-        cells = {r["mode"]: r for r in rows if r["rate_mbit"] == rate and r["size_mb"] == mb}
-        times = " ".join(f"{cells[m][time_key] * 1e3:>13.1f}" if m in cells else f"{'-':>13}"
-                         for m in MODES)
-        bounds = " ".join(f"{cells[m][bound_key] * 1e3:>16.1f}" if m in cells else f"{'-':>16}"
-                          for m in MODES)
-        print(f"{rate / 1000:>7g}G {mb:>8g} {times}   {bounds}")
+    cells = _cells(rows)
+    _print_grid(cells, "median ms, slowest worker", lambda r, mb: f"{r['median_s'] * 1e3:.1f}", 10)
+    _print_grid(cells, "wire bound ms, one worker link", lambda r, mb: f"{r['bound_s'] * 1e3:.1f}",
+                10)
+    _print_grid(cells, "peak MB (x tensor)", lambda r, mb: "-" if r.get("peak_bytes") is None else
+                f"{r['peak_bytes'] / 2**20:.1f} ({r['peak_bytes'] / (mb * 2**20):.2f}x)", 16)
+    print("\nTHC's time / the baseline's, same rate and size, this run (below 1: THC faster)")
+    for (rate, mb), row in cells.items():
+        parts = [f"{m} / {base} {row[m][f'time_vs_{base}']:.2f}"
+                 for m in THC_MODES if m in row for base in BASELINES
+                 if row[m].get(f"time_vs_{base}") is not None]
+        print(f"{rate / 1000:>7g}G {mb:>8g} MB: " + (", ".join(parts) or "no THC mode or "
+                                                       "no baseline in --modes"))
 
 
 def parse_args(argv=None):
@@ -296,8 +338,8 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--pool-size", type=int, default=256)
     ap.add_argument("--values-per-packet", type=int, default=VALUES_PER_PACKET,
-                    help="values per AGG packet (up to the aggregator's MAX_VALUES; above "
-                         "1440 the links get jumbo frames)")
+                    help=f"values per AGG packet (1..{MAX_VALUES}, the software aggregators' "
+                         "limit; above 1440 the links get jumbo frames)")
     ap.add_argument("--pipeline-values", type=int, default=DEFAULT_PIPELINE_VALUES,
                     help="THC: padded values per pipeline chunk (0: whole tensors)")
     ap.add_argument("--gso", action="store_true",
@@ -322,7 +364,6 @@ def parse_args(argv=None):
         if isinstance(args.rates_mbit, str) else args.rates_mbit
     args.modes = [m for m in str(args.modes).split(",") if m]
     if not args.worker and "thc-dpdk" in args.modes:
-        from dataplane.dpdk_runner import SWITCH_BIN
         if not SWITCH_BIN.is_file():
             print(f"bench_allreduce: no thc-dpdk column: {SWITCH_BIN} is not built "
                   "(make build)", file=sys.stderr)
@@ -332,6 +373,8 @@ def parse_args(argv=None):
         ap.error(f"unknown modes {bad}; choose from {MODES}")
     if not args.worker and args.workers * 30 > 255 and set(AGG_MODES) & set(args.modes):
         ap.error("thc-agg: at most 8 workers fit the 8-bit switch lanes")
+    if not 1 <= args.values_per_packet <= MAX_VALUES:
+        ap.error(f"--values-per-packet {args.values_per_packet}: give 1..{MAX_VALUES}")
     return args
 
 
@@ -340,12 +383,13 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from host.netlab.netem import netns_available
+    from host.netlab.links import netns_available
     reason = netns_available()
     if reason:
         print(f"bench_allreduce: {reason}", file=sys.stderr)
         return 2
     rows = run_benchmark(args)
+    add_ratios(rows)
     print_table(rows)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

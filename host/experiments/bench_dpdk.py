@@ -47,20 +47,24 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dataplane.config import Job, Member, Route, SwitchConfig
+from dataplane.config import MAX_VALUES, Job, Member, Route, SwitchConfig
 from dataplane.dpdk_config import write_config
 from dataplane.dpdk_runner import (SWITCH_BIN, LiveSwitch, af_packet_vdevs, build, eal_args,
                                    process_cpu_seconds)
 from dataplane.reference import ReferenceSwitch
+from host.packets import AGG_PORT_BASE, encode_data, wrap_frames
 
 TABLE = (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 24, 27, 30)
 SWITCH_MAC, SWITCH_IP = "02:00:00:00:00:fe", "10.0.0.254"
 
 
-def bench_config(workers: int, pool_size: int) -> SwitchConfig:
+def bench_config(workers: int, pool_size: int, values_per_packet: int = 1024) -> SwitchConfig:
+    """The benchmark's job; its values_per_packet must cover the generator's --bench-values
+    (the switch refuses longer packets than the job says)."""
     members = tuple(Member(w, w, f"02:00:00:00:01:{w + 1:02x}", f"10.0.1.{w + 1}", 40000 + w)
                     for w in range(workers))
-    return SwitchConfig(SWITCH_MAC, SWITCH_IP, (Job(1, pool_size, TABLE, members),))
+    return SwitchConfig(SWITCH_MAC, SWITCH_IP,
+                        (Job(1, pool_size, TABLE, members, values_per_packet),)).validate()
 
 
 def run_switch(config_path: Path, workers: int, packets: int, values: int,
@@ -84,7 +88,6 @@ def run_switch(config_path: Path, workers: int, packets: int, values: int,
 def reference_frames(config: SwitchConfig, packets: int, values: int, rng) -> list:
     """The stream the binary's generator makes: worker k % n, slot (k // n) % pool,
     round (k // n) // pool, one random payload per worker, ToS band 0 + ECT(0)."""
-    from host.packets import AGG_PORT_BASE, encode_data, wrap_frames
     job = config.jobs[0]
     n = len(job.members)
     templates = []
@@ -225,10 +228,12 @@ def pickup_delays(conf: Path, workers: int, values: int, gap_us: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="DPDK switch vs plain forwarder vs reference")
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.bench_dpdk",
+                                 description="DPDK switch vs plain forwarder vs reference")
     ap.add_argument("--packets", type=int, default=2_000_000, help="per DPDK run")
     ap.add_argument("--ref-packets", type=int, default=4000, help="for the Python reference")
-    ap.add_argument("--values", type=int, default=1024, help="values per packet")
+    ap.add_argument("--values", type=int, default=1024,
+                    help=f"values per packet, 1..{MAX_VALUES} (the job says the same)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--pool", type=int, default=256, help="slots in the job's pool")
     ap.add_argument("--repeat", type=int, default=5)
@@ -238,9 +243,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--plot", type=Path, help="bar chart of packets/s (PNG)")
     args = ap.parse_args(argv)
+    if not 1 <= args.values <= MAX_VALUES:
+        ap.error(f"--values {args.values}: give 1..{MAX_VALUES} (the switch's limit)")
 
     build()
-    config = bench_config(args.workers, args.pool)
+    config = bench_config(args.workers, args.pool, args.values)
     runs = {"aggregate": [], "forward": [], "aggregate_busy": [], "forward_busy": [],
             "reference": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -313,7 +320,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:
-        import matplotlib
+        import matplotlib       # only --plot needs it (about a second to import)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(6, 3.5))
