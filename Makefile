@@ -81,5 +81,5 @@ testbed: setup
 	$(PY) -m host.experiments.testbed --hosts 3
 
 clean:
-	rm -rf build $(VENV) *.egg-info
+	rm -rf build $(VENV) *.egg-info $(NATIVE_SO)
 	@if [ -f dataplane/dpdk/Makefile ]; then $(MAKE) -C dataplane/dpdk clean; fi

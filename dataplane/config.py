@@ -6,19 +6,30 @@ See docs/protocol.md §3 for the rules enforced here.
 """
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import json
 import numbers
 import re
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-AGG_PORT_BASE = 50000          # UDP port range 50000-50015 (dport & 0xFFF0)
-AGG_PORT_MASK = 0xFFF0
-PROTOCOL_VERSION = 2
+# Re-exported: readers of a job description ask this module for the wire's port range
+# and version; dataplane/wire.py defines them.
+from dataplane.wire import AGG_PORT_BASE, AGG_PORT_MASK  # noqa: F401
+from dataplane.wire import VERSION as PROTOCOL_VERSION  # noqa: F401
+
 MAX_WORKERS = 32               # contributor bitmaps are 32 bits
 MAX_VALUES = 8192              # values per packet of the software planes (protocol §8)
 DEFAULT_VALUES_PER_PACKET = 1024
+DEFAULT_POOL_SIZE = 256
+# What a member gets when the description leaves them out: the UDP service ignores both
+# (the kernel owns the ports), and the DPDK host service wants one shared MAC on port 0
+# (dataplane/dpdk_runner.py, HostService).
+DEFAULT_MEMBER_PORT = 0
+DEFAULT_MEMBER_MAC = "02:00:00:00:00:01"
+DEFAULT_LOCAL_PORT_BASE = 41000
 DLCP_MAX_CAPACITY = 1 << 20    # packets per (port, queue), protocol §6
 DLCP_MAX_THRESHOLD = (1 << 32) - 1
 NUM_QUEUES = 8
@@ -277,10 +288,11 @@ class SwitchConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SwitchConfig":
-        jobs = tuple(Job(j["job"], j["pool_size"], tuple(j["table"]),
-                         tuple(Member(**m) for m in j["members"]),
-                         j.get("values_per_packet", DEFAULT_VALUES_PER_PACKET))
-                     for j in d.get("jobs", ()))
+        """The description from its JSON form; a missing or unknown field is a ConfigError
+        that names it (a member's `port` and `mac` may be left out: see DEFAULT_MEMBER_*)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a job description is a JSON object, got {type(d).__name__}")
+        jobs = tuple(_job_from_dict(j) for j in d.get("jobs", ()))
         dl = d.get("dlcp", {})
         dlcp = Dlcp(
             dscp_map={int(k): (int(v[0]), bool(v[1])) for k, v in dl["dscp_map"].items()}
@@ -297,4 +309,109 @@ class SwitchConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "SwitchConfig":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a saved description; a missing file or bad JSON is a ConfigError naming it."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"job description {str(path)!r}: {exc.strerror}; write one with "
+                              "`python -m dataplane.config local --workers N -o job.json`") \
+                from exc
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"job description {str(path)!r} is not JSON: {exc}") from exc
+        except ConfigError as exc:
+            raise ConfigError(f"job description {str(path)!r}: {exc}") from exc
+
+    @classmethod
+    def local(cls, workers: int | None = None, *, ip: str = "127.0.0.1",
+              port_base: int = DEFAULT_LOCAL_PORT_BASE, addresses=None, job: int = 1,
+              pool_size: int = DEFAULT_POOL_SIZE,
+              values_per_packet: int = DEFAULT_VALUES_PER_PACKET, granularity: int = 30,
+              switch_ip: str = "10.0.0.254") -> "SwitchConfig":
+        """One job on one host, validated: worker w at (ip, port_base + w), or at
+        addresses[w] = (ip, udp_port) when given; every member on switch port 0 with
+        DEFAULT_MEMBER_MAC (the UDP service ignores both; the DPDK host service needs one
+        shared MAC and a non-loopback ip, and its workers send to (switch_ip, 50000))."""
+        if addresses is None:
+            if not _is_int(workers) or workers < 1:
+                raise ConfigError(f"workers {workers!r}: need a positive number of workers")
+            addresses = [(ip, port_base + w) for w in range(workers)]
+        elif workers is not None and workers != len(addresses):
+            raise ConfigError(f"workers {workers} but {len(addresses)} addresses: give one "
+                              "address per worker, or leave workers out")
+        members = [Member(w, DEFAULT_MEMBER_PORT, DEFAULT_MEMBER_MAC, str(a_ip), int(a_port))
+                   for w, (a_ip, a_port) in enumerate(addresses)]
+        table_job = Job.from_thc(job, pool_size, members, granularity=granularity,
+                                 values_per_packet=values_per_packet)
+        return cls(ip=switch_ip, jobs=(table_job,)).validate()
+
+
+_MEMBER_FIELDS = ("worker", "port", "mac", "ip", "udp_port")
+_JOB_FIELDS = ("job", "pool_size", "table", "members", "values_per_packet")
+
+
+def _check_fields(d, allowed, required, what: str) -> None:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{what}: expected a JSON object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{what}: unknown field(s) {unknown}; the fields are {list(allowed)}")
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ConfigError(f"{what}: missing field(s) {missing}")
+
+
+def _job_from_dict(j) -> Job:
+    _check_fields(j, _JOB_FIELDS, ("job", "pool_size", "table", "members"), "a job")
+    what = f"job {j['job']}"
+    members = []
+    for i, m in enumerate(j["members"]):
+        _check_fields(m, _MEMBER_FIELDS, ("worker", "ip", "udp_port"), f"{what} member #{i}")
+        members.append(Member(m["worker"], m.get("port", DEFAULT_MEMBER_PORT),
+                              m.get("mac", DEFAULT_MEMBER_MAC), m["ip"], m["udp_port"]))
+    return Job(j["job"], j["pool_size"], tuple(j["table"]), tuple(members),
+               j.get("values_per_packet", DEFAULT_VALUES_PER_PACKET))
+
+
+def main(argv=None) -> int:
+    """`python -m dataplane.config local --workers N [...] -o job.json`: write a job
+    description for N workers on this host (a refused one: a message and exit code 2)."""
+    parser = argparse.ArgumentParser(prog="python -m dataplane.config",
+                                     description="Write a job description (docs/protocol.md §3).")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    local = sub.add_parser("local", help="one job whose workers all run on one host")
+    local.add_argument("--workers", type=int, required=True, help="members (= world size)")
+    local.add_argument("--ip", default="127.0.0.1",
+                       help="the workers' IPv4 address (default %(default)s; for the DPDK host "
+                            "service a non-loopback one, e.g. 10.0.0.1)")
+    local.add_argument("--port-base", type=int, default=DEFAULT_LOCAL_PORT_BASE,
+                       help="worker w binds UDP port base + w (default %(default)s)")
+    local.add_argument("--job", type=int, default=1)
+    local.add_argument("--pool-size", type=int, default=DEFAULT_POOL_SIZE)
+    local.add_argument("--values-per-packet", type=int, default=DEFAULT_VALUES_PER_PACKET)
+    local.add_argument("--granularity", type=int, default=30,
+                       help="THC table granularity g (workers x g must stay <= 255)")
+    local.add_argument("--switch-ip", default="10.0.0.254",
+                       help="the switch's IPv4 address (DPDK host service: workers send to "
+                            "it on port 50000; the UDP service ignores it)")
+    local.add_argument("-o", "--output", required=True, help="the JSON file to write")
+    args = parser.parse_args(argv)
+    try:
+        config = SwitchConfig.local(args.workers, ip=args.ip, port_base=args.port_base,
+                                    job=args.job, pool_size=args.pool_size,
+                                    values_per_packet=args.values_per_packet,
+                                    granularity=args.granularity, switch_ip=args.switch_ip)
+        config.save(args.output)
+    except (ConfigError, OSError) as exc:
+        print(f"dataplane.config: refused: {exc}", file=sys.stderr)
+        return 2
+    j = config.jobs[0]
+    print(f"wrote {args.output}: job {j.job}, {j.member_count} workers at {args.ip} UDP ports "
+          f"{args.port_base}..{args.port_base + j.member_count - 1}, pool_size {j.pool_size}, "
+          f"values_per_packet {j.values_per_packet}, granularity {j.table[-1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,22 +12,25 @@
 Live af_packet ports (`af_packet_vdevs`) use 10240-byte ring frames, so frames up to
 the switch's 9216-byte limit arrive whole (the PMD's default 2048-byte frames cut
 everything over 1981 bytes; the switch then drops and counts them, rx_oversize), and
-the switch turns off the kernel's fragment reassembly on them (af_packet_nodefrag.c).
+the switch turns off the kernel's fragment reassembly on them (af_packet_sockets.c).
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
 import signal
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from dataplane.config import SwitchConfig
+from dataplane.config import ConfigError, SwitchConfig
 from dataplane.dpdk_config import write_config
+from dataplane.wire import AGG_PORT_BASE
 
 DPDK_DIR = Path(__file__).resolve().parent / "dpdk"
 SWITCH_BIN = DPDK_DIR / "build" / "thc_switch"
@@ -345,6 +348,17 @@ class TapService(LiveSwitch):
         return self
 
 
+def _refuse_loopback_members(config: SwitchConfig) -> None:
+    """The members' shared address goes on the host end of the link: a loopback one would
+    take 127.0.0.1 away from lo's routes, so the CLI refuses it."""
+    _, ip = _service_address(config)
+    if ipaddress.IPv4Address(ip).is_loopback:
+        raise SwitchError(f"the members' address {ip} is a loopback address: the DPDK switch "
+                          "needs a non-loopback one for its host end (e.g. python -m "
+                          "dataplane.config local --ip 10.0.0.1 ...); loopback workers use "
+                          "python -m dataplane.udp_service instead")
+
+
 def main(argv=None) -> int:
     """`python -m dataplane.dpdk_runner host --config job.json [--iface thchost0]` (or
     `tap ... [--tap thctap0]`): serve the job's UDP workers on this host through the
@@ -359,12 +373,18 @@ def main(argv=None) -> int:
     tap.add_argument("--config", required=True, help="a SwitchConfig saved as JSON")
     tap.add_argument("--tap", default="thctap0")
     args = ap.parse_args(argv)
-    config = SwitchConfig.load(args.config)
-    if args.cmd == "host":
-        service, dev = HostService(config, iface=args.iface).start(), args.iface
-    else:
-        service, dev = TapService(config, tap=args.tap).start(), args.tap
-    print(f"serving at {config.ip}:50000 through {dev}", flush=True)
+    try:
+        config = SwitchConfig.load(args.config)
+        _refuse_loopback_members(config)
+        if args.cmd == "host":
+            service, dev = HostService(config, iface=args.iface).start(), args.iface
+        else:
+            service, dev = TapService(config, tap=args.tap).start(), args.tap
+    except (ConfigError, SwitchError, OSError, ValueError, KeyError, TypeError) as exc:
+        # A one-line refusal (exit code 2), no traceback: the message says what to change.
+        print(f"dpdk_runner {args.cmd}: cannot start: {exc}", file=sys.stderr)
+        return 2
+    print(f"serving at {config.ip}:{AGG_PORT_BASE} through {dev}", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

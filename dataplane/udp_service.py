@@ -39,9 +39,10 @@ import time
 
 from dataplane.config import MAX_VALUES, ConfigError, SwitchConfig
 from dataplane.reference import ReferenceSwitch
+from dataplane.wire import AGG_PORT_BASE
 
 DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 50000
+DEFAULT_PORT = AGG_PORT_BASE
 RECV_BUFFER = 1 << 16
 SOCKET_BUFFER = 8 << 20        # kernel buffers: absorb bursts of a whole tensor
 
@@ -230,7 +231,8 @@ def main(argv=None) -> int:
     try:
         config = SwitchConfig.load(args.config)
         agg = UdpAggregator(config, args.host, args.port)
-    except (ConfigError, OSError, ValueError, KeyError) as exc:
+    except (ConfigError, OSError, ValueError, KeyError, TypeError) as exc:
+        # A one-line refusal (exit code 2), no traceback: the message says what to change.
         print(f"udp_service: cannot start: {exc}", file=sys.stderr)
         return 2
     done = threading.Event()

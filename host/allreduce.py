@@ -1,6 +1,6 @@
 """THC allreduce: the mean of one gradient tensor over all workers, THC-compressed.
 
-One call (notes/thc.md §3, DESIGN.md §3), for each pipeline chunk k of the tensor:
+One call, for each pipeline chunk k of the tensor:
 
   x_k = RHT(grad_k) + e_k, norms_k             error feedback in the rotated domain, fused
                                                into the RHT, which also gives the norms
@@ -35,8 +35,8 @@ Two exchanges for the integer sums:
 * `SumAllreduceExchange`: any cluster without a switch. Each worker looks its indices up in
   the table (uint8 values 0..g) and runs torch.distributed.all_reduce(SUM) on those integer
   lanes (asynchronously, one per chunk). THC is homomorphic, so the integer sum decodes to
-  exactly the mean the aggregator would give. Lanes are uint8 when n*g <= 255, else
-  int16/int32 (wider lanes, documented).
+  exactly the mean the aggregator would give. Lanes are uint8 when n*g <= 255, else int32:
+  the integer types both gloo and NCCL reduce (gloo has no int16 all_reduce).
 
 Asynchronous use: `THCAllreduce.submit` returns a torch.futures.Future and runs the call
 on the process's exchange thread (`exchange_thread()`): one thread, calls in submission
@@ -48,9 +48,11 @@ every worker raised together (sizes, dtype, NaN) leaves the state usable, any ot
 from __future__ import annotations
 
 import collections
+import datetime
 import math
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -110,13 +112,32 @@ class ExchangeThread:
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def stop(self, timeout: float = 30.0) -> bool:
+        """End the thread once the calls already submitted ran, and wait for it (a later
+        submit starts a new one); False if it is still running after `timeout` seconds.
+        A daemon thread still alive at interpreter exit is ended by the interpreter inside
+        whatever it runs, which aborts the process when that is torch's C++ code
+        (THCHookState.close)."""
+        with self._lock:
+            thread, jobs = self._thread, self._queue
+            if thread is None or self._pid != os.getpid():
+                return True
+            self._thread = self._queue = self._pid = None
+            jobs.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout)
+        return not thread.is_alive()
+
     @staticmethod
     def _run(jobs: queue.SimpleQueue, numba_threads: int | None) -> None:
         if numba_threads:
-            import numba
+            import numba    # loaded already (see _numba_threads); host.allreduce never loads it
             numba.set_num_threads(numba_threads)
         while True:
-            fut, fn, args = jobs.get()
+            job = jobs.get()
+            if job is None:                   # stop()
+                return
+            fut, fn, args = job
             try:
                 result = fn(*args)
             except BaseException as exc:      # the waiter gets it, the thread goes on
@@ -126,7 +147,6 @@ class ExchangeThread:
 
 
 def _numba_threads() -> int | None:
-    import sys
     if "numba" not in sys.modules:
         return None
     return sys.modules["numba"].get_num_threads()
@@ -178,6 +198,9 @@ class AggregatorExchange:
     @property
     def bytes_sent(self) -> int:
         return self.transport.stats.bytes_sent
+
+    def close(self) -> None:
+        self.transport.close()
 
 
 class _AggregatorStream:
@@ -295,9 +318,9 @@ class SumAllreduceExchange:
         world = dist.get_world_size(group)
         g = int(np.max(codec.table))
         top = world * g
-        # The narrowest lane that holds n*g: 8-bit lanes like the switch when they fit.
-        self.lane_dtype = (torch.uint8 if top <= 255 else torch.int16 if top <= 32767
-                           else torch.int32)
+        # 8-bit lanes like the switch when they fit, else int32: gloo and NCCL both reduce
+        # uint8 and int32 (gloo has no int16 all_reduce), so any worker count works here.
+        self.lane_dtype = torch.uint8 if top <= 255 else torch.int32
         self.world = world
         self.bytes_sent = 0
 
@@ -363,13 +386,16 @@ class THCAllreduce:
     partitions and packets; 0: the whole tensor at once); error_domain: "rotated" (error
     feedback kept after the RHT: one inverse RHT per call) or "gradient" (the paper's).
     Every worker must use the same codec, pipeline_values and error_domain (the control
-    exchange checks pipeline_values).
+    exchange checks pipeline_values). nonfinite: "raise" (a NaN/Inf gradient on any worker
+    raises thc.NonFiniteError on every worker) or "propagate" (every worker's mean of that
+    call is all inf instead, nothing is sent and no error feedback changes, so that a
+    torch.amp.GradScaler skips the step on every worker alike).
     """
 
     def __init__(self, codec, exchange, *, group=None, error_feedback: bool = True,
                  start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES,
                  error_domain: str = "rotated", loss_bound: float = 0.0,
-                 loss_wait: float = 2.0):
+                 loss_wait: float = 2.0, nonfinite: str = "raise"):
         if not dist.is_initialized():
             raise RuntimeError("THCAllreduce needs torch.distributed initialized "
                                "(dist.init_process_group) for the norm exchange")
@@ -384,6 +410,11 @@ class THCAllreduce:
                              f"that may be decoded as lost; 0 = exact), got {loss_bound}")
         if loss_wait < 0:
             raise ValueError(f"loss_wait must be >= 0 retransmission timeouts, got {loss_wait}")
+        if nonfinite not in ("raise", "propagate"):
+            raise ValueError(f"nonfinite must be 'raise' or 'propagate' (GradScaler: every "
+                             f"worker gets an inf mean and skips the step), got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.nonfinite_calls = 0               # calls answered with inf (nonfinite="propagate")
         self.codec = codec
         self.exchange = exchange
         self.group = group
@@ -411,6 +442,18 @@ class THCAllreduce:
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None
+
+    def close(self, destroy_group: bool = True) -> None:
+        """Close the exchange's socket (in-network path) and, with destroy_group, THC's own
+        process group: only once no call is pending (THCHookState.close stops the exchange
+        thread first)."""
+        close_exchange = getattr(self.exchange, "close", None)
+        if close_exchange is not None:
+            close_exchange()
+        if destroy_group and self._own_group and self._started and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.group = None
+            self._started = False
 
     def start(self) -> None:
         """Job start: every worker calls it once (flushes the aggregator's slots)."""
@@ -484,10 +527,16 @@ class THCAllreduce:
             # Every worker verified this tensor's size before, so all agree on the length
             # of one combined exchange: [chunk 0's norms of the verified layout | control].
             first = self._combined_exchange(flat, local, ranges)
+            nonfinite = first is _NONFINITE
         else:
             # First call for this tensor: the control fields alone (fixed length) first.
-            self._check_agreement(*local)
+            nonfinite = bool(self._check_agreement(*local))
         self.verified_sizes[key] = d
+        if nonfinite:
+            # nonfinite="propagate": the same inf mean on every worker, decided from the
+            # agreed control vector; no data sent, error feedback and rounds untouched.
+            self.nonfinite_calls += 1
+            return torch.full_like(tensor, float("inf"))
         rnd = self.calls.get(key, 0)
         self.calls[key] = rnd + 1
         mean = torch.empty(d, dtype=torch.float32, device=flat.device)
@@ -668,7 +717,8 @@ class THCAllreduce:
         self.seconds["norms"] += time.perf_counter() - t0
         vector = vector.cpu()
         self.control_bytes += 8 * (vector.numel() - parts)
-        self._raise_on_disagreement(vector[parts:], d, good_dtype, key, dtype)
+        if self._raise_on_disagreement(vector[parts:], d, good_dtype, key, dtype):
+            return _NONFINITE
         if not usable:
             # No error, so every worker has the same new size: chunk 0's norms of the new
             # layout go separately, once.
@@ -691,8 +741,9 @@ class THCAllreduce:
         return control
 
     def _check_agreement(self, d: int, finite: bool, good_dtype: bool, key: int, device,
-                         dtype) -> None:
-        """The control fields alone, in one MAX exchange of fixed length."""
+                         dtype) -> list[int]:
+        """The control fields alone, in one MAX exchange of fixed length; returns the
+        workers with a non-finite tensor (nonfinite="propagate"; else they raise)."""
         control = self._control_vector(d, finite, good_dtype)
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             control = control.to(device)
@@ -700,10 +751,11 @@ class THCAllreduce:
         dist.all_reduce(control, op=dist.ReduceOp.MAX, group=self.group)
         self.seconds["norms"] += time.perf_counter() - t0
         self.control_bytes += 8 * control.numel()
-        self._raise_on_disagreement(control.cpu(), d, good_dtype, key, dtype)
+        return self._raise_on_disagreement(control.cpu(), d, good_dtype, key, dtype)
 
-    def _raise_on_disagreement(self, control, d, good_dtype, key, dtype) -> None:
-        """Raise what every worker raises alike (the same control vector everywhere)."""
+    def _raise_on_disagreement(self, control, d, good_dtype, key, dtype) -> list[int]:
+        """Raise what every worker raises alike (the same control vector everywhere); with
+        nonfinite="propagate" return the workers whose tensor holds NaN/Inf instead."""
         w = self.world
         bad_dtype = [r for r in range(w) if control[r] > 0]
         if bad_dtype:
@@ -725,10 +777,17 @@ class THCAllreduce:
                 f"{self._chunk_step()} values, others between {smallest} and {largest}): give "
                 "every worker the same pipeline_values and codec partition size")
         bad = [r for r in range(w) if control[w + r] > 0]
+        if bad and self.nonfinite == "propagate":
+            return bad
         if bad:
             raise _agreed(thc.NonFiniteError(
                 f"tensor {key}: NaN or Inf gradient on worker(s) {bad}; nothing was sent "
-                "(lower the learning rate or enable gradient clipping / loss scaling)"))
+                "(lower the learning rate or enable gradient clipping; with a "
+                "torch.amp.GradScaler pass nonfinite=\"propagate\" so the step is skipped)"))
+        return []
+
+
+_NONFINITE = object()       # _combined_exchange's answer when a worker's tensor is NaN/Inf
 
 
 class _Chunk:
@@ -854,7 +913,6 @@ def _to_numpy(x) -> np.ndarray:
 
 def _barrier(group, what: str, timeout_s: float = 60.0) -> None:
     """A barrier that names the missing rank (gloo's monitored barrier) instead of hanging."""
-    import datetime
     if dist.get_backend(group) == "gloo":
         try:
             dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s))

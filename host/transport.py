@@ -622,7 +622,7 @@ class AggregatorTransport:
                     "exit and every --stats-interval s), or for the DPDK switch `kill -USR1 "
                     "<thc_switch pid>` and read its --stats file")
         if not self._heard_from_aggregator:
-            return head + (" and nothing ever came back: is the aggregator running and "
+            return head + ("; nothing was ever received from it: is the aggregator running and "
                            "reachable, and does its job description make this address a "
                            f"member of job {self.job} with these settings?" + counters)
         seen = int(np.bitwise_or.reduce(ex.contributors[ex.done])) if ex.done.any() else 0

@@ -1,4 +1,4 @@
-"""DLCP bounded-loss transport for plain fp32 tensor transfers (notes/dlcp.md §2).
+"""DLCP bounded-loss transport for plain fp32 tensor transfers (DLCP paper, §3.2.1 and §4.1).
 
 Two channels between a sender and a receiver:
 

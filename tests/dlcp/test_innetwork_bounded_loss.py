@@ -61,7 +61,7 @@ def grad(rank):
     return g
 
 
-def _worker(rank, init, lossy, exact, queue):
+def _worker(rank, init, lossy, exact, own, queue):
     import numba
     import torch
     import torch.distributed as dist
@@ -76,11 +76,13 @@ def _worker(rank, init, lossy, exact, queue):
         g = torch.from_numpy(grad(rank))
         out = {}
         # The exact reference first, on a loss-free aggregator (round 0, no error feedback).
-        state = thc_hook_state(aggregator=exact, codec=codec, pool_size=64, timeout=10,
+        state = thc_hook_state(aggregator=exact, job_config=own, codec=codec, pool_size=64,
+                               timeout=10,
                                error_feedback=False, values_per_packet=VPP)
         out["exact"] = state.reduce(g, 0).numpy()
         state.allreduce.exchange.transport.close()
-        state = thc_hook_state(aggregator=lossy, codec=codec, pool_size=64, timeout=10,
+        state = thc_hook_state(aggregator=lossy, job_config=own, codec=codec, pool_size=64,
+                               timeout=10,
                                error_feedback=False, values_per_packet=VPP,
                                loss_bound=LOSS_BOUND)
         t0 = time.monotonic()
@@ -90,7 +92,8 @@ def _worker(rank, init, lossy, exact, queue):
         out["missing"] = state.allreduce.last_missing.copy()
         state.allreduce.exchange.transport.close()
         # With error feedback (rotated domain), a lost chunk's own share is kept.
-        ef = thc_hook_state(aggregator=lossy, codec=codec, pool_size=64, timeout=10,
+        ef = thc_hook_state(aggregator=lossy, job_config=own, codec=codec, pool_size=64,
+                            timeout=10,
                             values_per_packet=VPP, loss_bound=LOSS_BOUND)
         ef.reduce(g, 0)
         out["ef_error"] = np.asarray(ef.allreduce.error_feedback.error(0)).copy()
@@ -107,6 +110,12 @@ def _config(addresses, job=1, pool=64):
                for w, (ip, p) in enumerate(addresses)]
     return SwitchConfig(ip="127.0.0.1", jobs=(Job.from_thc(job, pool, members,
                                                            values_per_packet=VPP),)).validate()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +139,10 @@ def run():
     queue = ctx.Queue()
     lossy = f"{relay.address[0]}:{relay.address[1]}"
     exact = f"{clean.address[0]}:{clean.address[1]}"
-    procs = [ctx.Process(target=_worker, args=(r, init, lossy, exact, queue))
+    # The workers' job description: their own addresses (the relays map them to the
+    # member addresses the aggregators know).
+    own = _config([("127.0.0.1", _free_port()) for _ in range(WORLD)])
+    procs = [ctx.Process(target=_worker, args=(r, init, lossy, exact, own, queue))
              for r in range(WORLD)]
     for p in procs:
         p.start()

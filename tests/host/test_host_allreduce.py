@@ -40,7 +40,8 @@ def _scenarios(rank, aggregator, members):
     out = {}
     codec = thc.THCCodec(seed=5, partition_size=PARTITION)
     sum_state = thc_hook_state(codec=codec, error_feedback=False)
-    agg_state = thc_hook_state(aggregator=aggregator, codec=codec, job=1, pool_size=16,
+    agg_state = thc_hook_state(aggregator=aggregator, job_config=job_config(members, 16),
+                               codec=codec, job=1, pool_size=16,
                                worker_address=tuple(members[rank]), error_feedback=False,
                                timeout=10)
     g = torch.from_numpy(grad(rank))

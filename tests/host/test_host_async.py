@@ -41,8 +41,9 @@ def _states(rank, aggregator, members, **kw):
     gloo = thc_hook_state(codec=codec, pipeline_values=PIPELINE, **kw)
     if aggregator is None:
         return None, gloo
-    agg = thc_hook_state(aggregator=aggregator, codec=codec, job=1, pool_size=16,
-                         worker_address=tuple(members[rank]), values_per_packet=256,
+    agg = thc_hook_state(aggregator=aggregator, job_config=job_config(members, 16), codec=codec,
+                         job=1, pool_size=16, worker_address=tuple(members[rank]),
+                         values_per_packet=256,
                          pipeline_values=PIPELINE, **kw)
     return agg, gloo
 

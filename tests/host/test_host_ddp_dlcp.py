@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import thc
-from dataplane.config import band_to_dscp
+from dataplane.config import SwitchConfig, band_to_dscp
 from host.ddp_hook import thc_hook_state
 from host.dlcp import DlcpPolicy, layer_band
 from host.packets import HEADER_LEN, TYPE_DATA, decode_headers, encode_results, header_types
@@ -72,6 +72,12 @@ def one_worker_group():
     dist.destroy_process_group()
 
 
+def one_member_job() -> SwitchConfig:
+    """The job description the worker takes its settings from: job 3, one member."""
+    return SwitchConfig.local(addresses=[("127.0.0.1", free_port())], job=3, pool_size=8,
+                              values_per_packet=VALUES_PER_PACKET)
+
+
 def two_steps(state, sizes=(3000, 5000)):
     """Two DDP-like steps over buckets 0 and 1 (DDP's order: bucket 0 holds the last layers)."""
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +88,8 @@ def two_steps(state, sizes=(3000, 5000)):
 
 def test_hook_marks_front_buckets_in_higher_bands_by_default(one_worker_group):
     agg = one_worker_group
-    state = thc_hook_state(aggregator=agg.address, job=3, pool_size=8,
+    state = thc_hook_state(aggregator=agg.address, job_config=one_member_job(), job=3,
+                           pool_size=8,
                            values_per_packet=VALUES_PER_PACKET, timeout=10)
     assert isinstance(state.allreduce.exchange.transport.policy, DlcpPolicy)
     two_steps(state)
@@ -106,7 +113,8 @@ def test_hook_marks_front_buckets_in_higher_bands_by_default(one_worker_group):
 
 def test_hook_marking_can_be_turned_off(one_worker_group):
     agg = one_worker_group
-    state = thc_hook_state(aggregator=agg.address, job=3, pool_size=8,
+    state = thc_hook_state(aggregator=agg.address, job_config=one_member_job(), job=3,
+                           pool_size=8,
                            values_per_packet=VALUES_PER_PACKET, timeout=10,
                            policy=default_policy)
     two_steps(state)
@@ -118,7 +126,8 @@ def test_hook_marks_whole_rht_partitions_by_their_norm(one_worker_group):
     packet Not-ECT (after the RHT the packets of a partition all look alike)."""
     agg = one_worker_group
     partition = 1024
-    state = thc_hook_state(aggregator=agg.address, job=3, pool_size=8,
+    state = thc_hook_state(aggregator=agg.address, job_config=one_member_job(), job=3,
+                           pool_size=8,
                            values_per_packet=VALUES_PER_PACKET, timeout=10,
                            codec=thc.THCCodec(partition_size=partition), error_feedback=False)
     scale = np.array([1.0, 8.0, 0.5, 4.0, 2.0])            # partitions 1 and 3 important

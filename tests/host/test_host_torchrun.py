@@ -1,4 +1,5 @@
-"""The DDP hook under torchrun: ranks from the environment, worker ports from THC_* variables."""
+"""The DDP hook under torchrun: ranks from the environment, the job description from
+THC_JOB_CONFIG (each rank binds its member's port)."""
 import json
 import os
 import subprocess
@@ -36,9 +37,14 @@ def test_hook_under_torchrun(tmp_path):
     members = [("127.0.0.1", base), ("127.0.0.1", base + 1)]
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    with serve(job_config(members, 8), "127.0.0.1", 0) as svc:
-        env = dict(os.environ, AGG=f"127.0.0.1:{svc.address[1]}", THC_WORKER_IP="127.0.0.1",
-                   THC_WORKER_PORT_BASE=str(base), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    config = job_config(members, 8)
+    config.save(tmp_path / "job.json")
+    with serve(config, "127.0.0.1", 0) as svc:
+        env = dict(os.environ, AGG=f"127.0.0.1:{svc.address[1]}",
+                   THC_JOB_CONFIG=str(tmp_path / "job.json"), OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT))
+        for stale in ("THC_WORKER_IP", "THC_WORKER_PORT_BASE"):
+            env.pop(stale, None)
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                               "2", "--master-port", str(free_port()), str(script),
                               str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
@@ -46,6 +52,6 @@ def test_hook_under_torchrun(tmp_path):
         counters = svc.counters()["jobs"][1]
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [o["port"] for o in out] == [base, base + 1]   # THC_WORKER_PORT_BASE + rank
+    assert [o["port"] for o in out] == [base, base + 1]   # the members' ports, by rank
     assert out[0]["params"] == out[1]["params"]           # replicas agree
     assert counters["results_multicast"] >= 3 and counters["drop_not_member"] == 0

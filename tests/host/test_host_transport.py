@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import thc
-from host.netlab.netem import LossyUdpRelay
+from host.netlab.relay import LossyRelay, agg_worker, random_loss
 from host.packets import TYPE_DATA, TYPE_FLUSH, decode_headers, encode_results, header_types
 from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
                             RetransmitTimer, StragglerNotice, constant_policy,
@@ -126,9 +126,10 @@ def test_one_percent_loss_both_ways_is_bit_identical(aggregator):
     clean = _decoded_run(svc.address, addrs, grads, codec)
 
     # The relay's per-worker proxy sockets are the members the second aggregator knows.
-    with LossyUdpRelay(("127.0.0.1", 0), n, loss_up=0.01, seed=3) as relay:
+    with LossyRelay(("127.0.0.1", 0), random_loss(0.01, seed=3), members=n,
+                    member_of=agg_worker) as relay:
         svc2, _ = aggregator(n, 8, addresses=relay.member_addresses)
-        relay.aggregator = svc2.address
+        relay.target = svc2.address
         t0 = time.monotonic()
         lossy = _decoded_run(relay.address, [("127.0.0.1", 0)] * n, grads, codec)
         elapsed = time.monotonic() - t0
@@ -423,7 +424,7 @@ def test_gso_sends_the_same_datagrams_in_fewer_calls(marks):
 def test_packets_larger_than_the_path_mtu_are_refused():
     """A network namespace whose loopback has a 1200-byte MTU: 1024-value RESULTs (1084
     bytes) fit, 2048-value ones would be fragmented, which no data plane reassembles."""
-    from host.netlab.netem import netns_available
+    from host.netlab.links import netns_available
     reason = netns_available()
     if reason:
         pytest.skip(f"network namespaces: {reason}")

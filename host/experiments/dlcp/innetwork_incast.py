@@ -65,6 +65,9 @@ def _worker(rank, cfg, queue):
         dlcp = cfg["mode"] == "dlcp"
         codec = thc.THCCodec(seed=cfg["seed"], partition_size=cfg["partition_size"])
         state = thc_hook_state(aggregator=cfg["aggregator"], job=1, pool_size=cfg["pool"],
+                               job_config=SwitchConfig.local(
+                                   addresses=[(ip, WORKER_UDP_PORT) for ip in cfg["ips"]],
+                                   pool_size=cfg["pool"], values_per_packet=cfg["vpp"]),
                                codec=codec, worker_address=(cfg["ips"][rank], WORKER_UDP_PORT),
                                timeout=30, values_per_packet=cfg["vpp"],
                                policy=None if dlcp else default_policy,
