@@ -5,7 +5,9 @@
     model.register_comm_hook(state, host.thc_hook)
 
 Public API (`__all__`):
-  PyTorch hook (host.ddp_hook)   thc_hook, thc_hook_state, THCHookState, allreduce_gradients
+  PyTorch hook (host.ddp_hook)   thc_hook, thc_hook_state, THCHookState, allreduce_gradients,
+                                 worker_job (the job handshake), JobMismatchError
+  FSDP2 (host.fsdp)              THCReduceScatter, thc_fully_shard_comm
   allreduce (host.allreduce)     THCAllreduce, AggregatorExchange, SumAllreduceExchange,
                                  AllreduceError, SizeMismatchError
   transport (host.transport)     AggregatorTransport, parse_address, TransportError,
@@ -14,6 +16,7 @@ Public API (`__all__`):
 Library modules and subpackages:
   host.ddp_hook, host.allreduce  DDP hook and THC allreduce over an aggregator or over
                                  dist.all_reduce
+  host.fsdp                      THC as FSDP2's reduce-scatter
   host.transport                 one worker's side of the wire protocol (docs/protocol.md)
   host.datagram, host.native     batched UDP datagram I/O and the native (C) data path
   host.packets                   AGG packets: scapy layer and vectorized numpy codec
@@ -37,6 +40,10 @@ _SOURCE_MODULE = {
     "thc_hook_state": "host.ddp_hook",
     "THCHookState": "host.ddp_hook",
     "allreduce_gradients": "host.ddp_hook",
+    "worker_job": "host.ddp_hook",
+    "JobMismatchError": "host.ddp_hook",
+    "THCReduceScatter": "host.fsdp",
+    "thc_fully_shard_comm": "host.fsdp",
     "THCAllreduce": "host.allreduce",
     "AggregatorExchange": "host.allreduce",
     "SumAllreduceExchange": "host.allreduce",
