@@ -13,6 +13,10 @@ Live af_packet ports (`af_packet_vdevs`) use 10240-byte ring frames, so frames u
 the switch's 9216-byte limit arrive whole (the PMD's default 2048-byte frames cut
 everything over 1981 bytes; the switch then drops and counts them, rx_oversize), and
 the switch turns off the kernel's fragment reassembly on them (af_packet_sockets.c).
+
+Every live switch refuses at set-up a job whose largest DATA or RESULT frame a member's
+port cannot carry (`check_job_frames`, docs/protocol.md §8): the ring frame size of an
+af_packet port, the MTU of its interface, net_tap's frame limit and its tap's MTU.
 """
 from __future__ import annotations
 
@@ -26,11 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dataplane.config import ConfigError, SwitchConfig
 from dataplane.dpdk_config import write_config
-from dataplane.wire import AGG_PORT_BASE
+from dataplane.wire import (AGG_FRAME_OVERHEAD, AGG_PORT_BASE, ETH_LEN, TYPE_DATA, TYPE_RESULT,
+                            payload_len)
 
 DPDK_DIR = Path(__file__).resolve().parent / "dpdk"
 SWITCH_BIN = DPDK_DIR / "build" / "thc_switch"
@@ -42,6 +48,99 @@ _PCAP_RECORD = struct.Struct("<IIII")
 
 class SwitchError(RuntimeError):
     """The switch refused its configuration or failed; the message is its own."""
+
+
+# What a port can carry, as dataplane/dpdk/ports.c sets it (port_traits).
+SWITCH_MAX_FRAME = 9216                # MAX_FRAME: the longest frame the switch takes or sends
+AF_PACKET_PMD_FRAMESZ = 2048           # the af_packet PMD's ring frame without framesz=
+AF_PACKET_RX_HEADROOM = 66             # a received frame starts this far into a ring frame
+AF_PACKET_TX_HEADROOM = 32             # ... a sent one
+TAP_MAX_FRAME = 1522                   # DPDK 22.11's net_tap: MTU 1500 + Ethernet, VLAN, CRC
+TAP_MTU = 1500                         # the kernel side of that tap
+
+
+@dataclass(frozen=True)
+class FrameLimit:
+    """The longest frame one direction of a port carries, what sets it and how to raise it."""
+    size: int
+    why: str
+    remedy: str
+
+
+@dataclass(frozen=True)
+class PortLimits:
+    """The longest frames a switch port receives whole (rx) and sends (tx)."""
+    rx: FrameLimit
+    tx: FrameLimit
+
+
+def port_limits(vdev: str, link_mtu: int | None = None) -> PortLimits:
+    """What the port of EAL --vdev string `vdev` carries. link_mtu: the MTU of its kernel
+    interface (default: an af_packet port's `iface=` as the kernel reports it, 1500 for a
+    tap; none for other drivers): what the kernel sends and takes there."""
+    driver, _, args = vdev.partition(",")
+    options = dict(a.split("=", 1) for a in args.split(",") if "=" in a)
+    switch = FrameLimit(SWITCH_MAX_FRAME, f"the switch's {SWITCH_MAX_FRAME}-byte frame limit", "")
+    rx = tx = switch
+    if driver.startswith("net_af_packet"):
+        framesz = int(options.get("framesz", AF_PACKET_PMD_FRAMESZ))
+        ring = f"its af_packet ring frame size {framesz} (framesz=)"
+        more = "or give the port larger ring frames (dataplane.dpdk_runner.af_packet_vdevs)"
+        rx = min(rx, FrameLimit(framesz - AF_PACKET_RX_HEADROOM - 1, ring, more),
+                 key=lambda lim: lim.size)
+        tx = min(tx, FrameLimit(framesz - AF_PACKET_TX_HEADROOM, ring, more),
+                 key=lambda lim: lim.size)
+        iface = options.get("iface")
+        mtu = link_mtu if link_mtu is not None else _iface_mtu(iface)
+        link = (f"the MTU {mtu} of {iface}", f"or raise that MTU (ip link set {iface} mtu 9000)")
+    elif driver.startswith("net_tap"):
+        remedy = "or use HostService (a veth pair, MTU 9000)"
+        tx = FrameLimit(TAP_MAX_FRAME, f"net_tap's limit of {TAP_MAX_FRAME}-byte frames (DPDK "
+                        "22.11 cannot raise its MTU)", remedy)
+        mtu = TAP_MTU if link_mtu is None else link_mtu
+        link = (f"the tap's MTU {mtu}; net_tap sends frames of at most {TAP_MAX_FRAME} bytes",
+                remedy)
+    else:
+        mtu, link = link_mtu, (f"the link MTU {link_mtu}", "or raise that MTU")
+    if mtu:
+        on_link = FrameLimit(mtu + ETH_LEN, *link)
+        rx = min(rx, on_link, key=lambda lim: lim.size)
+        tx = min(tx, on_link, key=lambda lim: lim.size)
+    return PortLimits(rx, tx)
+
+
+def _iface_mtu(iface: str | None) -> int | None:
+    """The MTU of a network interface of this namespace (None if there is no such)."""
+    try:
+        return int(Path(f"/sys/class/net/{iface}/mtu").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def check_job_frames(config: SwitchConfig, vdevs: list[str],
+                     link_mtus: dict[int, int] | None = None) -> None:
+    """Refuse a job whose largest DATA (received on a member's port) or RESULT (sent out
+    of it) frame that port cannot carry whole (docs/protocol.md §8); the message names the
+    limit and the largest values_per_packet both fit. link_mtus: port -> MTU of its link,
+    where port_limits cannot read it (an interface not made yet)."""
+    for job in config.jobs:
+        vpp = job.values_per_packet
+        frames = (("DATA", AGG_FRAME_OVERHEAD + payload_len(TYPE_DATA, vpp), "rx"),
+                  ("RESULT", AGG_FRAME_OVERHEAD + payload_len(TYPE_RESULT, vpp), "tx"))
+        for port in sorted({m.port for m in job.members if m.port < len(vdevs)}):
+            limits = port_limits(vdevs[port], (link_mtus or {}).get(port))
+            fits = min(limits.tx.size - AGG_FRAME_OVERHEAD,
+                       2 * (limits.rx.size - AGG_FRAME_OVERHEAD))
+            for kind, size, direction in frames:
+                limit = getattr(limits, direction)
+                verb = "receives" if direction == "rx" else "sends"
+                if size > limit.size:
+                    raise SwitchError(
+                        f"job {job.job}: values_per_packet {vpp} makes {size}-byte {kind} "
+                        f"frames, but switch port {port} {verb} frames of at most "
+                        f"{limit.size} bytes ({limit.why}): lower "
+                        f"values_per_packet to at most {max(fits, 0)}"
+                        + (f", {limit.remedy}" if limit.remedy else ""))
 
 
 def write_pcap(path: Path, frames: list[bytes]) -> None:
@@ -165,8 +264,14 @@ class LiveSwitch:
         self.stats_path = self.workdir / "stats.json"
         self.log_path = self.workdir / "switch.log"
         self.proc: subprocess.Popen | None = None
+        self.link_mtus: dict[int, int] = {}        # check_job_frames: MTUs not yet readable
 
     def start(self) -> "LiveSwitch":
+        try:
+            check_job_frames(self.config, self.vdevs, self.link_mtus)
+        except SwitchError:
+            self._tmp.cleanup()
+            raise
         conf = write_config(self.config, self.workdir / "switch.conf")
         cmd = [str(self.binary), *eal_args(self.vdevs), "--", "--config", str(conf),
                "--stats", str(self.stats_path)]
@@ -294,8 +399,14 @@ class HostService(LiveSwitch):
         self.host_mac, self.host_ip = _service_address(config)
         self.iface, self.switch_iface, self.mtu = iface, iface + "s", mtu
         super().__init__(config, af_packet_vdevs([self.switch_iface]), **kw)
+        self.link_mtus = {0: mtu}
 
     def start(self) -> "HostService":
+        try:
+            check_job_frames(self.config, self.vdevs, self.link_mtus)   # before any link
+        except SwitchError:
+            self._tmp.cleanup()
+            raise
         _ip("link", "add", self.iface, "type", "veth", "peer", "name", self.switch_iface)
         try:
             for dev in (self.iface, self.switch_iface):

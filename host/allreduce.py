@@ -43,11 +43,16 @@ on the process's exchange thread (`exchange_thread()`): one thread, calls in sub
 order, so the buckets of a DDP step complete in order while backward goes on. An error
 in the thread reaches whoever waits on the future, as the same exception; an error that
 every worker raised together (sizes, dtype, NaN) leaves the state usable, any other
-(a dead worker, a timeout) makes later calls fail at once instead of hanging.
+(a dead worker, a timeout) makes later calls fail at once instead of hanging. A worker
+that died is named (WorkerLostError, after a roll call through the process group's
+store); an aggregator that stops answering is, by default, no error: the call is redone
+over the collective and later calls stay there until it answers again (THCAllreduce
+`fallback`).
 """
 from __future__ import annotations
 
 import collections
+import atexit
 import datetime
 import math
 import os
@@ -55,13 +60,14 @@ import queue
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import thc
-from host.transport import default_policy
+from host.transport import AggregatorTimeout, AggregatorUnreachable, default_policy
 from thc.layout import Layout
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -69,10 +75,29 @@ DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB 
 CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
 PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
 CALL_HISTORY = 100_000                 # call times kept (THCAllreduce.call_seconds)
+FALLBACKS = ("collective", "raise")    # THCAllreduce(fallback=): when the aggregator is silent
+DEFAULT_PROBE_INTERVAL = 10.0          # seconds between probes of a silent aggregator
+HEARTBEAT_INTERVAL = 1.0               # seconds between a worker's liveness beats
+ROLL_CALL_BEATS = 3                    # beats a worker may miss before a roll call names it
+# An aggregator exchange that failed for these reasons failed because the aggregator did
+# not answer (a dead worker also shows as AggregatorTimeout: the roll call tells them apart).
+AGGREGATOR_SILENT = (AggregatorTimeout, AggregatorUnreachable)
+STATE_FORMAT = 1                       # version of THCAllreduce.state_dict()
+THCALLREDUCE_STATE_ENTRIES = frozenset(
+    {"format", "config", "world", "rank", "calls", "verified_sizes", "error_feedback"})
 
 
 class AllreduceError(RuntimeError):
     """Workers disagree about a call (sizes), or a worker reported a bad gradient."""
+
+
+class WorkerLostError(AllreduceError):
+    """A call failed and some workers did not answer the roll call: `workers` (global
+    ranks) exited, were killed or hang."""
+
+    def __init__(self, message: str, workers: list[int]):
+        super().__init__(message)
+        self.workers = workers
 
 
 class SizeMismatchError(AllreduceError):
@@ -158,6 +183,73 @@ _EXCHANGE_THREAD = ExchangeThread()
 def exchange_thread() -> ExchangeThread:
     """The process's exchange thread (shared by every THCAllreduce)."""
     return _EXCHANGE_THREAD
+
+
+class _Heartbeat:
+    """A thread that counts this worker's key (its global rank) up in the default process
+    group's store every HEARTBEAT_INTERVAL seconds, whatever the exchange thread is doing;
+    THCAllreduce's roll call reads the counts. One per process, started by the first
+    THCAllreduce.start (again in a forked child), stopped at interpreter exit."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pid = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.store = None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            try:
+                # The default group's store (private API, no public accessor): every worker
+                # of the job reaches it, whichever worker died.
+                store = dist.distributed_c10d._get_default_store()
+            except (AttributeError, RuntimeError, ValueError):
+                return
+            self._pid, self.store = os.getpid(), dist.PrefixStore("thc-heartbeat/", store)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._beat, name="thc-heartbeat",
+                                            args=(self.store, str(dist.get_rank()), self._stop),
+                                            daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _beat(store, key: str, stop: threading.Event) -> None:
+        while True:
+            try:
+                store.add(key, 1)
+            except (RuntimeError, OSError):
+                return                  # the store has gone: the job is ending
+            if stop.wait(HEARTBEAT_INTERVAL):
+                return
+
+    def stop(self) -> None:
+        """End the thread (a daemon thread inside torch's store code at interpreter exit
+        could abort the process)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+            self._pid = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(2 * HEARTBEAT_INTERVAL)
+
+
+_HEARTBEAT = _Heartbeat()
+atexit.register(_HEARTBEAT.stop)
+
+
+def _silent_ranks(store, ranks: list[int]) -> list[int]:
+    """The ranks whose heartbeat count did not move for ROLL_CALL_BEATS beats (polled, so
+    an all-alive answer takes about one beat)."""
+    first = {r: store.add(str(r), 0) for r in ranks}
+    silent = list(ranks)
+    deadline = time.monotonic() + ROLL_CALL_BEATS * HEARTBEAT_INTERVAL
+    while silent and time.monotonic() < deadline:
+        time.sleep(HEARTBEAT_INTERVAL / 10)
+        silent = [r for r in silent if store.add(str(r), 0) == first[r]]
+    return silent
 
 
 # --------------------------------------------------------------------------- exchanges
@@ -306,6 +398,53 @@ class _AggregatorStream:
         self.stream.close()
 
 
+class _GuardedStream:
+    """An aggregator stream whose failure to get answers (AGGREGATOR_SILENT) is kept in
+    `down` instead of raised; from then on every operation does nothing and `result` and
+    `settle` return None. The call goes on with its norm exchanges and quantization on
+    every worker alike, so that the workers can agree and redo it over the collective
+    (THCAllreduce fallback="collective")."""
+
+    def __init__(self, stream: _AggregatorStream):
+        self.stream = stream
+        self.down: BaseException | None = None
+
+    def _guard(self, operation, *args):
+        if self.down is not None:
+            return None
+        try:
+            return operation(*args)
+        except AGGREGATOR_SILENT as exc:
+            self.down = exc
+            self.stream.close()
+            return None
+
+    @property
+    def first_tos(self) -> list:
+        return self.stream.first_tos
+
+    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
+        self._guard(self.stream.submit, lo, hi, packed, rotated, max_norms)
+
+    def pump(self) -> None:
+        self._guard(self.stream.pump)
+
+    def ready(self, hi: int) -> bool:
+        return self.down is None and self.stream.ready(hi)
+
+    def settle(self, loss_bound: float, wait_rto: float = 2.0):
+        return self._guard(self.stream.settle, loss_bound, wait_rto)
+
+    def result(self, lo: int, hi: int, missing=None):
+        return self._guard(self.stream.result, lo, hi, missing)
+
+    def finish(self) -> None:
+        self._guard(self.stream.finish)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
 class SumAllreduceExchange:
     """Integer sums with torch.distributed.all_reduce(SUM) on table-value lanes."""
 
@@ -390,12 +529,26 @@ class THCAllreduce:
     raises thc.NonFiniteError on every worker) or "propagate" (every worker's mean of that
     call is all inf instead, nothing is sent and no error feedback changes, so that a
     torch.amp.GradScaler skips the step on every worker alike).
+
+    fallback (the aggregator path): "collective" (default) or "raise". When the aggregator
+    does not answer a call (AggregatorTimeout after the transport's no-progress timeout, or
+    AggregatorUnreachable at once) on any worker, every worker learns it in one MAX exchange
+    at the end of the call and, with "collective", redoes the call's integer sums over the
+    process group (SumAllreduceExchange) from the very indices it sent, so the mean and the
+    error feedback are the ones the aggregator would have given; it warns once and stays on
+    the collective. Every probe_interval seconds (any worker's clock, agreed in the control
+    exchange) each worker probes the aggregator at the next call
+    (AggregatorTransport.probe); when every probe is answered, all go back to it at that
+    call, after a FLUSH of the job's slots. "raise": the call raises, as without fallback.
+    A worker that dies is told apart by a roll call (`WorkerLostError` names it).
     """
 
     def __init__(self, codec, exchange, *, group=None, error_feedback: bool = True,
                  start_timeout: float = 60.0, pipeline_values: int = DEFAULT_PIPELINE_VALUES,
                  error_domain: str = "rotated", loss_bound: float = 0.0,
-                 loss_wait: float = 2.0, nonfinite: str = "raise"):
+                 loss_wait: float = 2.0, nonfinite: str = "raise",
+                 fallback: str = "collective",
+                 probe_interval: float = DEFAULT_PROBE_INTERVAL):
         if not dist.is_initialized():
             raise RuntimeError("THCAllreduce needs torch.distributed initialized "
                                "(dist.init_process_group) for the norm exchange")
@@ -413,8 +566,24 @@ class THCAllreduce:
         if nonfinite not in ("raise", "propagate"):
             raise ValueError(f"nonfinite must be 'raise' or 'propagate' (GradScaler: every "
                              f"worker gets an inf mean and skips the step), got {nonfinite!r}")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS} (what a call does when the "
+                             f"aggregator does not answer), got {fallback!r}")
+        if not probe_interval > 0:
+            raise ValueError(f"probe_interval must be > 0 seconds (how often a silent aggregator "
+                             f"is probed), got {probe_interval}")
         self.nonfinite = nonfinite
         self.nonfinite_calls = 0               # calls answered with inf (nonfinite="propagate")
+        # Falling back needs an aggregator to fall back from.
+        self.fallback = fallback if exchange.name == "aggregator" else "raise"
+        self.probe_interval = float(probe_interval)
+        self.fallback_calls = 0                # calls whose sums came over the collective
+        self.aggregator_returns = 0            # times every worker went back to the aggregator
+        self._collective = None                # the fallback's SumAllreduceExchange
+        self._on_collective = False            # agreed by every worker: aggregator not used
+        self._probe_now = False                # agreed: probe before this call's control
+        self._probe_answered = False
+        self._last_probe = 0.0
         self.codec = codec
         self.exchange = exchange
         self.group = group
@@ -455,11 +624,74 @@ class THCAllreduce:
             self.group = None
             self._started = False
 
+    # ----------------------------------------------------------------- checkpoint
+
+    def codec_config(self) -> dict:
+        """The settings a saved state must share to continue here: they decide the RHT
+        signs, the rounding keys, the padded layout of each tensor and so the meaning of
+        its stored error (README, "Using THC from your training loop")."""
+        c, ef = self.codec, self.error_feedback
+        return {"bits": c.bits, "granularity": c.granularity, "p": c.p,
+                "symmetric": c.symmetric, "table": [int(v) for v in np.asarray(c.table)],
+                "seed": c.seed, "partition_size": c.partition_size, "rotation": c.rotation,
+                "error_feedback": ef is not None,
+                "error_domain": None if ef is None else ("rotated" if ef.rotated else "gradient"),
+                "pipeline_values": self.pipeline_values, "pipeline_chunk": self._chunk_step()}
+
+    def state_dict(self) -> dict:
+        """This worker's state between calls, CPU tensors and plain values (torch.save
+        works): the error feedback per tensor key, the per-key call counters (the rounds
+        of the rounding keys), the sizes every worker agreed on, and the settings
+        (codec_config) with the world size and rank. The error is this worker's own:
+        every rank saves its own. Aggregator slot rounds are not in it: start() flushes
+        the job's slots and every worker restarts them at 0 (docs/protocol.md §4.6)."""
+        ef = self.error_feedback
+        return {"format": STATE_FORMAT, "config": self.codec_config(), "world": self.world,
+                "rank": self.rank, "calls": dict(self.calls),
+                "verified_sizes": dict(self.verified_sizes),
+                "error_feedback": {} if ef is None else ef.cpu_errors()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from state_dict() of the same rank of a job with the same settings and
+        world size; refuses anything else naming both values. Call before the first
+        exchange of this process (the counters and errors would otherwise be mixed)."""
+        check_state_entries(state, THCALLREDUCE_STATE_ENTRIES, "THCAllreduce")
+        if state["format"] != STATE_FORMAT:
+            raise ValueError(f"THC state format {state['format']!r}, this version reads "
+                             f"format {STATE_FORMAT}: save it again with this version")
+        if self.calls or self._started:
+            raise RuntimeError("load_state_dict after this THCAllreduce already exchanged "
+                               "tensors: load the checkpoint before the first step")
+        mine = self.codec_config()
+        saved = state["config"]
+        for name in sorted(set(mine) | set(saved)):
+            if saved.get(name) != mine.get(name):
+                raise ValueError(
+                    f"the saved THC state has {name}={saved.get(name)!r} but this worker has "
+                    f"{name}={mine.get(name)!r}: build the hook state with the settings of the "
+                    "job that saved it (same codec, error_domain, pipeline_values)")
+        for name, here in (("world", self.world), ("rank", self.rank)):
+            if state[name] != here:
+                what = "world size" if name == "world" else "rank"
+                raise ValueError(
+                    f"the saved THC state is of {what} {state[name]} but this worker's {what} "
+                    f"is {here}: every rank loads the state it saved itself (its own error "
+                    f"feedback), in a job of the same world size")
+        self.calls = {int(k): int(v) for k, v in state["calls"].items()}
+        self.verified_sizes = {int(k): int(v) for k, v in state["verified_sizes"].items()}
+        if self.error_feedback is not None:
+            self.error_feedback.load_errors(state["error_feedback"])
+
     def start(self) -> None:
         """Job start: every worker calls it once (flushes the aggregator's slots)."""
         if self._started:
             return
-        self.exchange.start(self.group, self.start_timeout)
+        if self.fallback == "collective":
+            self._flush_slots()         # a silent aggregator: the first call falls back
+        else:
+            self.exchange.start(self.group, self.start_timeout)
+        if self.world > 1:
+            _HEARTBEAT.start()          # every worker is here: the roll call can count on it
         if self._own_group:
             # Every rank is here (the barrier said so): make the private group now.
             self.group = dist.new_group(backend=dist.get_backend())
@@ -499,15 +731,54 @@ class THCAllreduce:
                 self.error_feedback.reset(key)
             return self._reduce(tensor, key, layer, num_layers)
         except BaseException as exc:
-            if not getattr(exc, "thc_agreed", False):
-                self._failed = exc
-            raise
+            if getattr(exc, "thc_agreed", False):
+                raise
+            self._failed = exc
+            # An AllreduceError says already what went wrong (e.g. the start barrier names
+            # the missing rank); any other failure may be a worker that died.
+            diagnosed = isinstance(exc, AllreduceError) or not isinstance(exc, Exception)
+            lost = None if diagnosed else self._roll_call(exc)
+            if lost is None:
+                raise
+            self._failed = lost
+            raise lost from exc
+
+    def _roll_call(self, exc: Exception) -> WorkerLostError | None:
+        """After a failed call: which workers are gone. Every worker's heartbeat counts its
+        key up in the process group's store (_Heartbeat, also while it waits in a
+        collective); a worker whose count does not move for ROLL_CALL_BEATS beats exited,
+        was killed or hangs. None when every worker is alive, or when there is no
+        heartbeat to read (the original error stands)."""
+        store = _HEARTBEAT.store
+        if store is None:
+            return None
+        me = dist.get_rank()
+        ranks = list(range(dist.get_world_size())) if self.group is None \
+            else dist.get_process_group_ranks(self.group)
+        try:
+            gone = _silent_ranks(store, [r for r in ranks if r != me])
+        except (RuntimeError, OSError) as store_exc:
+            return WorkerLostError(
+                f"this THC call failed ({type(exc).__name__}: {exc}), and the process group's "
+                f"store does not answer either ({store_exc}): the process that hosts it (rank "
+                "0 under init_method tcp:// or env://, else the launcher) has gone; see its "
+                "log", [])
+        if not gone:
+            return None
+        return WorkerLostError(
+            f"worker(s) {gone} of {self.world} (global ranks) stopped: no heartbeat for "
+            f"{ROLL_CALL_BEATS * HEARTBEAT_INTERVAL:g} s after this worker's THC call failed "
+            f"({type(exc).__name__}: {exc}); they exited, were killed or hang: see their "
+            "logs, then restart the job", gone)
 
     # ----------------------------------------------------------------- one call
 
     def _reduce(self, tensor, key, layer, num_layers) -> torch.Tensor:
         self.start()
         t_start = time.perf_counter()
+        # Agreed at the previous call (on the collective): its answer goes into this call's
+        # control vector, which decides whether this call goes back to the aggregator.
+        self._probe_answered = self._probe_now and self.exchange.transport.probe()
         if not isinstance(tensor, torch.Tensor):
             raise _agreed(TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}"))
         # Agree first (dtype, size, finiteness) so a bad worker fails every worker at once,
@@ -540,8 +811,14 @@ class THCAllreduce:
         rnd = self.calls.get(key, 0)
         self.calls[key] = rnd + 1
         mean = torch.empty(d, dtype=torch.float32, device=flat.device)
-        stream = self.exchange.open(padded_total, key, layer=layer, num_layers=num_layers,
-                                    background=len(ranges) > 1)
+        exchange = self.exchange
+        if self._on_collective:
+            exchange = self._collective_exchange()
+            self.fallback_calls += 1
+        stream = exchange.open(padded_total, key, layer=layer, num_layers=num_layers,
+                               background=len(ranges) > 1)
+        if self.fallback == "collective" and exchange is self.exchange:
+            stream = _GuardedStream(stream)
         try:
             self._pipeline(stream, flat, key, rnd, ranges, first, mean)
         except BaseException:
@@ -567,8 +844,15 @@ class THCAllreduce:
     def _pipeline(self, stream, flat, key, rnd, ranges, first, mean) -> None:
         """Chunks prepared (compensated, normed, rotated; their norm exchange started) up to
         PREPARE_AHEAD ahead of the one being quantized, quantized while earlier ones are on
-        the wire, and decoded in order as their sums come in."""
+        the wire, and decoded in order as their sums come in.
+
+        Through a _GuardedStream an aggregator that stops answering stops only the
+        exchange: every chunk is still normed and quantized (the same collectives on every
+        worker), then the workers agree, and the call is redone over the collective."""
         prepared, in_flight = [], []              # prepared, not sent / sent, not decoded
+        guarded = isinstance(stream, _GuardedStream)
+        sent = []                                 # guarded: every chunk quantized, for a redo
+        bounded = self.loss_bound and not self._on_collective
         upcoming = 0
         if first is not None:
             prepared.append(first)
@@ -589,14 +873,26 @@ class THCAllreduce:
             stream.submit(*chunk.padded, chunk.packed, chunk.rotated, max_norms)
             chunk.rotated = None
             in_flight.append(chunk)
+            if guarded:
+                sent.append(chunk)
             last = k + 1 == len(ranges)
-            while in_flight and not self.loss_bound and \
+            while in_flight and not bounded and \
                     (last or stream.ready(in_flight[0].padded[1])):
-                self._decode(stream, in_flight.pop(0), key, mean)
-        if self.loss_bound:
+                if not self._decode(stream, in_flight[0], key, mean):
+                    break                         # the aggregator did not answer
+                in_flight.pop(0)
+        if bounded:
+            t0 = time.perf_counter()
+            settled = stream.settle(self.loss_bound, self.loss_wait)
+            self.seconds["exchange"] += time.perf_counter() - t0
+        if guarded and self._agree_silent(stream.down, mean.device):
+            stream.close()
+            self._redo_over_collective(sent, key, mean)
+            return
+        if bounded:
             # Decode only once every worker knows the same missing set.
             t0 = time.perf_counter()
-            missing = self._agree_missing(stream.settle(self.loss_bound, self.loss_wait))
+            missing = self._agree_missing(settled)
             self._count_lost_marks(missing, np.concatenate(stream.first_tos))
             self.seconds["exchange"] += time.perf_counter() - t0
             for chunk in in_flight:
@@ -627,6 +923,105 @@ class THCAllreduce:
         st["missing_agreed"] += int(agreed.sum())
         return agreed
 
+    # ----------------------------------------------------------------- fallback
+
+    def _agree_silent(self, down: BaseException | None, device) -> bool:
+        """Whether the aggregator failed to answer this call on any worker: one MAX
+        exchange of a byte per worker over the process group, at the end of every call
+        through the aggregator (fallback="collective"). When it did, this and every later
+        call go over the collective (the first time with a warning)."""
+        flags = torch.zeros(self.world, dtype=torch.uint8)
+        flags[self.rank] = down is not None
+        if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
+            flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        self.control_bytes += flags.numel()
+        silent = torch.nonzero(flags.cpu()).flatten().tolist()
+        if not silent:
+            return False
+        self._on_collective = True
+        self._probe_now = False
+        self._last_probe = time.monotonic()
+        if self.fallback_calls == 0:
+            host, port = self.exchange.transport.aggregator
+            reason = f"; here: {type(down).__name__}: {down}" if down is not None else ""
+            warnings.warn(
+                f"THC: the aggregator {host}:{port} did not answer worker(s) {silent}{reason}. "
+                "This call and the next ones go over the process group's collective (the same "
+                "THC codec and rounds, so the same means); the aggregator is probed every "
+                f"{self.probe_interval:g} s and used again once it answers every worker",
+                RuntimeWarning, stacklevel=2)
+        return True
+
+    def _redo_over_collective(self, chunks: list, key, mean) -> None:
+        """This call's integer sums again, over the process group: every worker's chunks
+        as they were quantized and sent (same indices: the mean the aggregator would have
+        given), decoded; error feedback only where the aggregator's sums were not decoded
+        (decoding sets it, whatever the sums)."""
+        stream = self._collective_exchange().open(0, key)
+        for chunk in chunks:
+            stream.submit(*chunk.padded, chunk.packed, None)
+        for chunk in chunks:
+            self._decode(stream, chunk, key, mean, update_error=not chunk.decoded)
+        self.fallback_calls += 1
+
+    def _collective_exchange(self) -> "SumAllreduceExchange":
+        """The fallback's exchange over THC's process group, made at first use."""
+        if self._collective is None:
+            self._collective = SumAllreduceExchange(self.codec, self.group)
+        return self._collective
+
+    @property
+    def on_collective(self) -> bool:
+        """Whether calls go over the collective now (the aggregator did not answer)."""
+        return self._on_collective
+
+    @property
+    def collective_bytes(self) -> int:
+        """Lane bytes sent over the collective by fallback calls."""
+        return 0 if self._collective is None else self._collective.bytes_sent
+
+    def _path_fields(self) -> list[float]:
+        """The control vector's fallback fields: [probe due, aggregator silent on rank r
+        (one per worker)]; MAX-reduced (_follow_path reads them)."""
+        fields = [0.0] * (1 + self.world)
+        if self._on_collective:
+            fields[0] = float(time.monotonic() - self._last_probe >= self.probe_interval)
+            fields[1 + self.rank] = 0.0 if self._probe_answered else 1.0
+        return fields
+
+    def _follow_path(self, fields) -> None:
+        """On the collective: probe at the next call when any worker's probe_interval has
+        passed; go back to the aggregator at this call when every worker probed it at the
+        start of this call and got an answer. Every worker reads the same agreed fields."""
+        if not self._on_collective:
+            return
+        probed, self._probe_now = self._probe_now, bool(fields[0] > 0)
+        if probed:
+            self._last_probe = time.monotonic()
+            if not any(float(f) > 0 for f in fields[1:]):
+                self._return_to_aggregator()
+
+    def _flush_slots(self) -> None:
+        """AggregatorExchange.start, where a silent aggregator is no error: the next
+        exchange finds it out, on every worker alike."""
+        try:
+            self.exchange.transport.flush()
+        except AGGREGATOR_SILENT:
+            pass
+        _barrier(self.group, "waiting for every worker to flush the aggregator slots",
+                 self.start_timeout)
+
+    def _return_to_aggregator(self) -> None:
+        """FLUSH every slot of the job (the rounds restart at 0 on every worker), then wait
+        for every worker, so no flush lands after a contribution (as at job start)."""
+        self._flush_slots()
+        self._on_collective = self._probe_now = False
+        self.aggregator_returns += 1
+        host, port = self.exchange.transport.aggregator
+        warnings.warn(f"THC: the aggregator {host}:{port} answers every worker again: THC calls "
+                      "go through it again", RuntimeWarning, stacklevel=2)
+
     def _prepare(self, flat, key, rng, padded_total: int) -> "_Chunk":
         """One chunk's values, norms and RHT; its norm exchange runs during the RHT
         (gradient-domain error feedback) or after it (rotated domain: the norms are of the
@@ -655,24 +1050,40 @@ class THCAllreduce:
         x = ef.compensate_range(key, flat, lo, hi) if ef is not None else flat[lo:hi]
         return _Chunk(rng, x, None, self.codec.partition_norms(x))
 
-    def _decode(self, stream, chunk: "_Chunk", key, mean, missing=None) -> None:
+    def _decode(self, stream, chunk: "_Chunk", key, mean, missing=None,
+                update_error: bool = True) -> bool:
+        """Decode the chunk's sums into mean and update its error feedback (update_error:
+        False when redoing a chunk decoded before). False, with nothing done, when a
+        _GuardedStream's aggregator did not answer."""
         t0 = time.perf_counter()
         if missing is None:
-            sums, counts = stream.result(*chunk.padded)
+            got = stream.result(*chunk.padded)
         else:
-            sums, counts = stream.result(*chunk.padded, missing=missing)
+            got = stream.result(*chunk.padded, missing=missing)
         self.seconds["exchange"] += time.perf_counter() - t0
+        if got is None:
+            return False
+        sums, counts = got
         max_norms = chunk.max_norms
         lost = None
         if missing is not None and not np.isscalar(counts):
             lost = np.asarray(counts) == 0
-            if isinstance(chunk.x, torch.Tensor) and chunk.x.is_cuda:
-                counts = torch.as_tensor(np.asarray(counts)).to(chunk.x.device)
-        if isinstance(chunk.x, torch.Tensor) and chunk.x.is_cuda:
+            if mean.is_cuda:
+                counts = torch.as_tensor(np.asarray(counts)).to(mean.device)
+        if mean.is_cuda:
             sums = torch.as_tensor(np.asarray(sums) if not isinstance(sums, torch.Tensor)
-                                   else sums).to(chunk.x.device)
+                                   else sums).to(mean.device)
         n = chunk.hi - chunk.lo
         self.codec.decode(sums, counts, max_norms, n, out=mean[chunk.lo:chunk.hi])
+        if update_error:
+            self._update_error(chunk, key, mean, lost)
+        chunk.decoded = True
+        chunk.x = chunk.error_out = None      # a redo needs only packed and max_norms
+        return True
+
+    def _update_error(self, chunk: "_Chunk", key, mean, lost) -> None:
+        """The error feedback of a decoded chunk (lost: its chunks decoded as lost)."""
+        max_norms, n = chunk.max_norms, chunk.hi - chunk.lo
         if lost is not None and self.error_feedback and self.error_feedback.rotated:
             # What was lost is not dropped: this worker's quantized values there go back
             # into its error, so the next round carries them (as error feedback does for
@@ -717,6 +1128,7 @@ class THCAllreduce:
         self.seconds["norms"] += time.perf_counter() - t0
         vector = vector.cpu()
         self.control_bytes += 8 * (vector.numel() - parts)
+        self._follow_path(vector[parts + 2 * self.world + 4:])
         if self._raise_on_disagreement(vector[parts:], d, good_dtype, key, dtype):
             return _NONFINITE
         if not usable:
@@ -730,9 +1142,11 @@ class THCAllreduce:
         return chunk
 
     def _control_vector(self, d: int, finite: bool, good_dtype: bool) -> torch.Tensor:
-        """[bad dtype one-hot (W), bad values one-hot (W), d, -d, chunk, -chunk]; MAX-reduced."""
+        """[bad dtype one-hot (W), bad values one-hot (W), d, -d, chunk, -chunk, fallback
+        fields (1 + W, _path_fields)]; MAX-reduced."""
         w = self.world
-        control = torch.zeros(2 * w + 4, dtype=torch.float64)
+        control = torch.zeros(3 * w + 5, dtype=torch.float64)
+        control[2 * w + 4:] = torch.tensor(self._path_fields(), dtype=torch.float64)
         control[self.rank] = 0.0 if good_dtype else 1.0
         control[w + self.rank] = 0.0 if finite or not good_dtype else 1.0
         control[2 * w], control[2 * w + 1] = d, -d
@@ -751,7 +1165,9 @@ class THCAllreduce:
         dist.all_reduce(control, op=dist.ReduceOp.MAX, group=self.group)
         self.seconds["norms"] += time.perf_counter() - t0
         self.control_bytes += 8 * control.numel()
-        return self._raise_on_disagreement(control.cpu(), d, good_dtype, key, dtype)
+        control = control.cpu()
+        self._follow_path(control[2 * self.world + 4:])
+        return self._raise_on_disagreement(control, d, good_dtype, key, dtype)
 
     def _raise_on_disagreement(self, control, d, good_dtype, key, dtype) -> list[int]:
         """Raise what every worker raises alike (the same control vector everywhere); with
@@ -800,6 +1216,7 @@ class _Chunk:
         self.work, self.num_norms = None, len(norms)
         self.max_norms = None
         self.packed = None
+        self.decoded = False             # its sums were decoded into the mean
         self.error_out = None            # rotated error feedback: where quantize puts e_rot
 
     def wait_norms(self):
@@ -822,9 +1239,29 @@ class ChunkedErrorFeedback(thc.ErrorFeedback):
     slice on the first round), update_range writes x - own decoded into e[lo:lo+len(x)].
     """
 
+    def cpu_errors(self) -> dict:
+        """Every key's stored error as a CPU float32 torch tensor (a copy, for torch.save)."""
+        return {key: (e.detach().cpu().clone() if isinstance(e, torch.Tensor)
+                      else torch.from_numpy(np.array(e, np.float32)))
+                for key, e in self._errors.items()}
+
+    def load_errors(self, errors: dict) -> None:
+        """Replace every stored error by `errors` (cpu_errors() of a saved state); each moves
+        to the device of its tensor at its next use (_stored)."""
+        self._errors = {int(key): torch.as_tensor(e, dtype=torch.float32).clone()
+                        for key, e in errors.items()}
+
+    def _stored(self, key, device):
+        """The stored error of `key` on `device` (a loaded one arrives on the CPU)."""
+        e = self._errors.get(key)
+        if isinstance(e, torch.Tensor) and e.device != device:
+            e = self._errors[key] = e.to(device)
+        return e
+
     def rotated_error(self, key, padded: int, like):
         """The padded-length e_rot buffer of `key` (zeros before the first call)."""
-        e = self._errors.get(key)
+        e = self._stored(key, like.device) if isinstance(like, torch.Tensor) \
+            else self._errors.get(key)
         if e is None or e.shape[0] != padded or isinstance(e, torch.Tensor) != \
                 isinstance(like, torch.Tensor):
             e = torch.zeros(padded, dtype=torch.float32, device=like.device) \
@@ -833,7 +1270,7 @@ class ChunkedErrorFeedback(thc.ErrorFeedback):
         return e
 
     def compensate_range(self, key, grad, lo: int, hi: int):
-        e = self.error(key)
+        e = self._stored(key, grad.device)
         if e is None:
             return grad[lo:hi]
         if tuple(e.shape) != (grad.shape[0],):
@@ -842,7 +1279,7 @@ class ChunkedErrorFeedback(thc.ErrorFeedback):
         return grad[lo:hi] + e[lo:hi]
 
     def update_range(self, key, lo: int, x, own_decoded, length: int) -> None:
-        e = self.error(key)
+        e = self._stored(key, own_decoded.device)
         if e is None or e.shape[0] != length:
             e = torch.zeros(length, dtype=torch.float32, device=own_decoded.device)
             self._errors[key] = e
@@ -857,6 +1294,18 @@ def _agreed(exc: BaseException) -> BaseException:
 
 
 # --------------------------------------------------------------------------- helpers
+
+def check_state_entries(state, expected: frozenset, what: str) -> None:
+    """A saved state must be a dict with exactly the entries `what`.state_dict() writes."""
+    if not isinstance(state, dict):
+        raise TypeError(f"{what}.load_state_dict takes the dict {what}.state_dict() returned, "
+                        f"got {type(state).__name__}")
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ValueError(f"not a {what} state: missing entries {missing}, unexpected entries "
+                         f"{unexpected} (expected {sorted(expected)}): pass what "
+                         f"{what}.state_dict() returned")
+
 
 def _all_finite(flat: torch.Tensor) -> bool:
     """No NaN/Inf in flat (float32). On CPU a float32 dot product first (0.5 ms for 16 MB

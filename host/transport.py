@@ -55,6 +55,12 @@ from host.packets import (FLAG_RETX, HEADER_DTYPE, HEADER_LEN, TYPE_FLUSH, TYPE_
 MAX_VALUES = 8192              # the reference aggregator's and DPDK switch's MAX_VALUES
 IP_UDP_HEADERS = 28            # IPv4 + UDP header bytes in front of the AGG header
 PROBE_NONE = -1                # no probe answer (yet) for a chunk
+PROBE_TENSOR = 0xFFFFFFFF      # tensor id of AggregatorTransport.probe's DATA
+PROBE_WAIT = 0.25              # seconds a probe waits for the aggregator's answer
+# Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
+# port unreachable), or the way there is down (the link, the route, the host).
+UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
+                      errno.ENETDOWN, errno.EHOSTDOWN)
 
 
 class TransportError(RuntimeError):
@@ -259,6 +265,7 @@ class AggregatorTransport:
         self.sock.connect(self.aggregator)
         self._heard_from_aggregator = False
         self._stream = None              # the TensorStream in flight (one at a time)
+        self.probes = self.probes_answered = 0       # probe(): sent, answered
         rx_rows = 2 * pool_size if pool_size < 512 else 1024
         self.io = DatagramSocket(self.sock, rx_rows=rx_rows,
                                  rx_width=HEADER_LEN + values_per_packet,
@@ -321,6 +328,47 @@ class AggregatorTransport:
         for _ in range(repeats):
             self._send(packets, np.arange(self.pool_size))
         self.slot_rounds[:] = 0
+
+    def probe(self, wait: float = PROBE_WAIT) -> bool:
+        """Whether the aggregator answers now (call it with no stream in flight).
+
+        FLUSH this worker's slot (worker mod pool), then send there a one-value DATA of
+        round 0 that only this worker is expected in, of tensor PROBE_TENSOR: a live
+        aggregator completes it at once and multicasts the RESULT (docs/protocol.md §4.2,
+        §5.1; the other members' streams ignore that tensor). Answered: a RESULT or
+        STRAGGLER of PROBE_TENSOR (this worker's probe or another's: any proves it alive)
+        within `wait` seconds. The slot is left used: flush the job's slots before the
+        next stream. Not counted in `stats` (bytes through the aggregator are gradients)."""
+        self.probes += 1
+        self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)   # an old ICMP error
+        slot = self.worker % self.pool_size
+        flush = np.zeros(1, dtype=HEADER_DTYPE)
+        flush["ver_type"] = (VERSION << 4) | TYPE_FLUSH
+        flush["job"], flush["slot"], flush["worker"] = self.job, slot, self.worker
+        data, lengths = encode_data(np.zeros(1, np.uint8), 1, 1, job=self.job,
+                                    worker=self.worker, tensor=PROBE_TENSOR, slots=slot,
+                                    rounds=0, expected=1 << self.worker,
+                                    first_offset=self.probes)
+        rows = np.zeros((2, data.shape[1]), np.uint8)
+        rows[0, :HEADER_LEN] = encode_headers(flush)[0]
+        rows[1] = data[0]
+        try:
+            self.io.send(PacketRows(rows, np.array([HEADER_LEN, lengths[0]])), [0, 1])
+            deadline = time.monotonic() + wait
+            while self.io.wait_readable(deadline - time.monotonic()):
+                n = self.io.receive()
+                ok = self.io.rx_len[:n] >= HEADER_LEN
+                hdr = decode_headers(self.io.rx[:n][ok], self.io.rx_len[:n][ok])
+                types = header_types(hdr)
+                if ((hdr["job"] == self.job) & (hdr["tensor"] == PROBE_TENSOR)
+                        & (hdr["offset"] == self.probes)
+                        & ((types == TYPE_RESULT) | (types == TYPE_STRAGGLER))).any():
+                    self.probes_answered += 1
+                    return True
+        except OSError as exc:             # nothing listens there, or no way there
+            if exc.errno not in UNREACHABLE_ERRNOS:
+                raise
+        return False
 
     # ----------------------------------------------------------------- allreduce
 
@@ -397,7 +445,7 @@ class AggregatorTransport:
             else:
                 err = stream.native.state.err
                 exc = OSError(err, os.strerror(err))     # ECONNREFUSED: ConnectionRefusedError
-                if err == errno.ECONNREFUSED:
+                if err in UNREACHABLE_ERRNOS:
                     raise self._unreachable(exc) from exc
                 raise exc
 
@@ -474,7 +522,9 @@ class AggregatorTransport:
         calls, messages = self.io.send_calls, self.io.send_messages
         try:
             sent = self.io.send(packets, rows)
-        except ConnectionRefusedError as exc:
+        except OSError as exc:
+            if exc.errno not in UNREACHABLE_ERRNOS:
+                raise
             raise self._unreachable(exc) from exc
         finally:
             self.stats.send_calls += self.io.send_calls - calls
@@ -484,6 +534,10 @@ class AggregatorTransport:
 
     def _unreachable(self, exc) -> AggregatorUnreachable:
         host, port = self.aggregator
+        if exc.errno != errno.ECONNREFUSED:
+            return AggregatorUnreachable(
+                f"aggregator {host}:{port} cannot be reached from worker {self.worker} "
+                f"({exc}): is the link or route to it up?")
         return AggregatorUnreachable(
             f"aggregator {host}:{port} refused the packets (ICMP port unreachable: nothing "
             "listens there): start the aggregator, or pass its HOST:PORT as aggregator= "
@@ -494,7 +548,9 @@ class AggregatorTransport:
         calls = self.io.recv_calls
         try:
             n = self.io.receive()
-        except ConnectionRefusedError as exc:
+        except OSError as exc:
+            if exc.errno not in UNREACHABLE_ERRNOS:
+                raise
             raise self._unreachable(exc) from exc
         finally:
             self.stats.recv_calls += self.io.recv_calls - calls
