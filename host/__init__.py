@@ -6,7 +6,8 @@
 
 Public API (`__all__`):
   PyTorch hook (host.ddp_hook)   thc_hook, thc_hook_state, THCHookState, allreduce_gradients,
-                                 worker_job (the job handshake), JobMismatchError
+                                 worker_job (the job handshake), JobMismatchError,
+                                 ResumeWarning (hook state not restored on resume)
   FSDP2 (host.fsdp)              THCReduceScatter, thc_fully_shard_comm
   allreduce (host.allreduce)     THCAllreduce, AggregatorExchange, SumAllreduceExchange,
                                  AllreduceError, SizeMismatchError
@@ -42,6 +43,7 @@ _SOURCE_MODULE = {
     "allreduce_gradients": "host.ddp_hook",
     "worker_job": "host.ddp_hook",
     "JobMismatchError": "host.ddp_hook",
+    "ResumeWarning": "host.ddp_hook",
     "THCReduceScatter": "host.fsdp",
     "thc_fully_shard_comm": "host.fsdp",
     "THCAllreduce": "host.allreduce",
