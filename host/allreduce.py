@@ -172,9 +172,17 @@ class ExchangeThread:
 
 
 def _numba_threads() -> int | None:
+    """Codec threads of the exchange thread: this worker's share of the machine's cores
+    (torchrun's LOCAL_WORLD_SIZE workers share them), at least 1, at most what Numba has.
+    More would not make the memory-bound codec faster; between parallel regions they spin
+    (libgomp's default wait policy), taking the cores the other workers and the training
+    thread need."""
     if "numba" not in sys.modules:
         return None
-    return sys.modules["numba"].get_num_threads()
+    numba = sys.modules["numba"]
+    local_workers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    share = max(1, (os.cpu_count() or 1) // local_workers)
+    return min(numba.get_num_threads(), share)
 
 
 _EXCHANGE_THREAD = ExchangeThread()

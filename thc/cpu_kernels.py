@@ -15,21 +15,12 @@ non-temporal stores. The forward and inverse RHT are bit-identical to thc.refere
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
-# Numba's OpenMP workers spin at the end of every parallel region unless told to sleep.
-# The codec's regions are milliseconds long and a training process has other work for
-# the cores (several workers share a machine, the training thread runs backward), so the
-# spinning is pure loss: about half a worker's CPU per call in host.experiments.bench_worker_cpu.
-# libgomp reads the policy when Numba first starts its threads, after this import; a
-# policy the user set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+import numba
+import numpy as np
+from numba import njit, prange
 
 from . import numpy_kernels, rng
 from . import vector_kernels as vk

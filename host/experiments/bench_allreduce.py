@@ -380,6 +380,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # The workers share this machine: each codec takes its share of the cores (host.allreduce).
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.workers))
     if args.worker:
         worker(args)
         return 0

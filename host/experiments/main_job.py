@@ -682,6 +682,8 @@ def plot(summary, names, tta, path):
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The workers share this machine: each codec takes its share of the cores (host.allreduce).
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.workers))
     stop = lambda: None  # noqa: E731
     aggregator, members = None, None
     if "thc" in args.runs and not args.link_mbit:
