@@ -7,6 +7,7 @@ bfrt_scripts/setup_switch.py reads, and runs that script in bfshell:
     python -m bfrt_scripts.deploy --config job.json                  # install
     python -m bfrt_scripts.deploy --config job.json --dry-run        # print every write
     python -m bfrt_scripts.deploy --config job.json --counters       # protocol counters
+    python -m bfrt_scripts.deploy --config job.json --remove         # tear the job down
     python -m bfrt_scripts.deploy --config job.json --plan           # entry counts, no SDE
     python -m bfrt_scripts.deploy --config job.json --write-only     # then run bfshell yourself
 
@@ -47,7 +48,8 @@ def parse_port_map(text: str | None) -> tuple[tuple[int, int], ...]:
 def options_from(args) -> DeployOptions:
     return DeployOptions(program=args.program, tofino=args.tofino,
                          port_map=parse_port_map(args.port_map), speed=args.speed, fec=args.fec,
-                         add_ports=args.add_ports, drop_report_port=args.drop_report_port,
+                         add_ports=args.add_ports,
+                         drop_report_ports=tuple(args.drop_report_port or ()),
                          dlcp_packet_bytes=args.dlcp_packet_bytes)
 
 
@@ -84,6 +86,9 @@ def main(argv=None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="print every write, write nothing")
     mode.add_argument("--counters", action="store_true", help="print the protocol counters")
+    mode.add_argument("--remove", action="store_true",
+                      help="tear the deployment down: the program's entries, multicast "
+                           "groups, the jobs' registers and counters, drop reporting")
     mode.add_argument("--plan", action="store_true",
                       help="print the entry counts per table and exit (no switch)")
     ap.add_argument("--write-only", action="store_true",
@@ -97,13 +102,24 @@ def main(argv=None) -> int:
     ap.add_argument("--add-ports", action="store_true", help="bring the ports up (port.port)")
     ap.add_argument("--speed", default="BF_SPEED_100G")
     ap.add_argument("--fec", default="BF_FEC_TYP_NONE")
-    ap.add_argument("--drop-report-port", type=int,
-                    help="dev_port whose queue receives deflected TM drops (DLCP drop counters)")
+    ap.add_argument("--drop-report-port", type=int, action="append",
+                    help="dev_port whose queue receives its pipe's deflected TM drops (DLCP "
+                         "drop counters); once per pipe the description uses")
     ap.add_argument("--dlcp-packet-bytes", type=int,
                     help="frame size the DLCP packet limits are converted to cells with "
                          "(default: the largest RESULT of the description)")
     ap.add_argument("--verbose", action="store_true", help="print every write made")
     args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except Exception as exc:    # any step's failure: one line and the exit code
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    """Plan (refusing before anything is written), then the dry run, the job file or the
+    bfshell run the arguments ask for; 0 when it worked, 2 with a one-line error if not."""
     try:
         config = SwitchConfig.load(args.config)
         options = options_from(args)
@@ -122,7 +138,8 @@ def main(argv=None) -> int:
         switch.install(config)
         print(switch.summary())
         return 0
-    job_mode = "dry-run" if args.dry_run else "counters" if args.counters else "install"
+    job_mode = ("dry-run" if args.dry_run else "counters" if args.counters
+                else "remove" if args.remove else "install")
     job_file = Path(args.job_file)
     write_job_file(job_file, config, options, job_mode, args.verbose)
     status_file(job_file).unlink(missing_ok=True)

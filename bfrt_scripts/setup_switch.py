@@ -10,7 +10,10 @@ bfshell passes no arguments, so the script reads the job file that
 /tmp/thc_ina_bfrt_job.json): the repository root (to import the project's validation and
 plan), the SwitchConfig JSON, the deployment options and the mode:
 
-    install     make the switch serve the description (idempotent: a second run writes nothing)
+    install     make the switch serve the description (idempotent: a second run writes
+                nothing; what the switch holds beyond the description is deleted)
+    remove      tear the deployment down (every entry of the program, its multicast
+                groups, the jobs' registers and counters; drop reporting off)
     dry-run     print every write the install would make on this switch, write nothing
     counters    print the counters under the protocol's names (JSON), and save them to
                 the job file's counters_out
@@ -52,6 +55,9 @@ def main(bfrt, job_file=None, out=print) -> int:
                 with open(spec["counters_out"], "w") as f:
                     f.write(text)
             out(text)
+        elif mode == "remove":
+            switch.remove()
+            out(switch.summary())
         else:
             switch.install(config)
             out(switch.summary())
@@ -59,6 +65,9 @@ def main(bfrt, job_file=None, out=print) -> int:
     except (ConfigError, BfrtError) as exc:
         status = {"status": "error", "message": str(exc)}
         out(f"error: {exc}")
+    except Exception as exc:    # anything else: still one line, and the wrapper's exit code
+        status = {"status": "error", "message": f"{type(exc).__name__}: {exc} (mode {mode})"}
+        out(f"error: {status['message']}")
     finally:
         # bfshell exits 0 whatever the script did: the wrapper reads this instead
         if spec.get("status_out"):

@@ -71,6 +71,21 @@ C_JOB = f"{INGRESS}.job_counters"
 C_GLOBAL = f"{INGRESS}.global_counters"
 C_DLCP = f"{EGRESS}.dlcp_admission.dlcp_counters"
 
+# Slot registers (p4src/tna/aggregation.p4, thc_ina.p4): bfrt path -> data fields. A copy's
+# cell is copy_index = (round & 1) ++ slot_index (validation.p4): slot s of the shared slot
+# registers owns cells s and SLOT_BUDGET + s of every per-copy register; `occupancy` has
+# one cell per slot (both copies' flags).
+R_OCCUPANCY = f"{INGRESS}.occupancy"
+SLOT_REGISTERS = {R_OCCUPANCY: ("copy0", "copy1")}
+COPY_REGISTERS = {
+    **{f"{INGRESS}.slot_state.{name}": ("f1",)
+       for name in ("copy_round", "copy_seen", "copy_left")},
+    **{f"{INGRESS}.result_fields.{name}": ("f1",)
+       for name in ("copy_contributors", "result_expected", "result_tensor", "result_offset",
+                    "result_num_values", "result_min_count")},
+    **{f"{INGRESS}.sums_{word}.lanes": ("f1",) for word in range(SUM_WORDS)},
+}
+
 
 def lookup_table(position: int) -> str:
     return f"{INGRESS}.lookup_{position}.byte_to_lanes"
@@ -197,7 +212,8 @@ class DeployOptions:
     speed: str = "BF_SPEED_100G"
     fec: str = "BF_FEC_TYP_NONE"
     add_ports: bool = False                 # bring the ports up (port.port) as well
-    drop_report_port: int | None = None     # dev_port whose queue counts TM drops
+    # one dev_port per pipe whose queue receives (and counts) that pipe's TM drops
+    drop_report_ports: tuple[int, ...] = ()
     dlcp_packet_bytes: int | None = None    # frame size the queue limits are sized for
 
     @classmethod
@@ -205,13 +221,17 @@ class DeployOptions:
         d = dict(d or {})
         if "port_map" in d:
             d["port_map"] = tuple((int(k), int(v)) for k, v in dict(d["port_map"]).items())
+        legacy = d.pop("drop_report_port", None)    # job files of the one-port option
+        if legacy is not None and "drop_report_ports" not in d:
+            d["drop_report_ports"] = (legacy,)
+        d["drop_report_ports"] = tuple(int(p) for p in d.get("drop_report_ports") or ())
         return cls(**d)
 
     def to_dict(self) -> dict:
         return {"program": self.program, "tofino": self.tofino,
                 "port_map": {str(k): v for k, v in self.port_map},
                 "speed": self.speed, "fec": self.fec, "add_ports": self.add_ports,
-                "drop_report_port": self.drop_report_port,
+                "drop_report_ports": list(self.drop_report_ports),
                 "dlcp_packet_bytes": self.dlcp_packet_bytes}
 
     def dev_port(self, port: int) -> int:
@@ -227,8 +247,13 @@ class TofinoPlan:
     groups: list[MulticastGroup] = field(default_factory=list)
     queues: list[QueueSetting] = field(default_factory=list)
     ports: list[PortSetting] = field(default_factory=list)
-    drop_report_port: int | None = None
+    drop_report_ports: dict[int, int] = field(default_factory=dict)   # pipe -> dev_port
     cells_per_packet: int = 1
+
+    @property
+    def drops_reported(self) -> bool:
+        """Whether TM drops reach the egress to be counted (a drop-report port per pipe)."""
+        return bool(self.drop_report_ports)
 
     def tables(self) -> dict[str, list[TableEntry]]:
         by_table: dict[str, list[TableEntry]] = {}
@@ -289,9 +314,9 @@ def _check_options(config: SwitchConfig, options: DeployOptions) -> None:
         if not 0 <= dev <= MAX_DEV_PORT:
             raise ConfigError(f"port_map: protocol port {port} -> dev_port {dev} is not a "
                               f"device port (0..{MAX_DEV_PORT})")
-    if options.drop_report_port is not None and not 0 <= options.drop_report_port <= MAX_DEV_PORT:
-        raise ConfigError(f"drop_report_port {options.drop_report_port} is not a device port "
-                          f"(0..{MAX_DEV_PORT})")
+    for dev in options.drop_report_ports:
+        if not 0 <= dev <= MAX_DEV_PORT:
+            raise ConfigError(f"drop-report port {dev} is not a device port (0..{MAX_DEV_PORT})")
     for job in config.jobs:
         for m in job.members:
             if not 0 <= options.dev_port(m.port) <= MAX_DEV_PORT:
@@ -302,6 +327,31 @@ def _check_options(config: SwitchConfig, options: DeployOptions) -> None:
             raise ConfigError(f"job {job.job}: members on pipes {pipes}; a pipe's slot "
                               "registers see only the packets entering that pipe: attach "
                               "the job's workers to ports of one pipe")
+
+
+def drop_report_plan(config: SwitchConfig, options: DeployOptions) -> dict[int, int]:
+    """pipe -> the drop-report port of that pipe. The TM deflects a drop to the mirror-drop
+    queue of the pipe it happened on, which must be a port of that pipe (tm.pipe.cfg is
+    per pipe): every pipe whose queues the description uses needs one, or its drops go
+    uncounted."""
+    if not options.drop_report_ports:
+        return {}
+    by_pipe: dict[int, int] = {}
+    for dev in options.drop_report_ports:
+        pipe = pipe_of(dev)
+        if by_pipe.get(pipe, dev) != dev:
+            raise ConfigError(f"drop-report ports {by_pipe[pipe]} and {dev} are both on pipe "
+                              f"{pipe}: a pipe has one mirror-drop queue; give one port per pipe")
+        by_pipe[pipe] = dev
+    carried: dict[int, list[int]] = {}
+    for dev in (options.dev_port(p) for p in switch_ports(config)):
+        carried.setdefault(pipe_of(dev), []).append(dev)
+    for pipe, devs in sorted(carried.items()):
+        if pipe not in by_pipe:
+            raise ConfigError(f"pipe {pipe} (dev_ports {', '.join(map(str, sorted(devs)))}) has "
+                              "no drop-report port, so its TM drops would go uncounted: add "
+                              f"--drop-report-port with a dev_port of pipe {pipe}")
+    return by_pipe
 
 
 def pipe_of(dev_port: int) -> int:
@@ -446,11 +496,16 @@ def route_entries(config: SwitchConfig, options: DeployOptions) -> list[TableEnt
     return entries
 
 
+def slot_cells(slot_base: int, pool_size: int) -> tuple[range, list[int]]:
+    """The cells a job's slots own: in SLOT_REGISTERS (one per slot) and in COPY_REGISTERS
+    (two per slot: copy_index = parity ++ slot index)."""
+    slots = range(slot_base, slot_base + pool_size)
+    return slots, [parity * SLOT_BUDGET + s for parity in (0, 1) for s in slots]
+
+
 def used_ports(config: SwitchConfig, options: DeployOptions) -> list[int]:
     ports = {options.dev_port(p) for p in switch_ports(config)}
-    if options.drop_report_port is not None:
-        ports.add(options.drop_report_port)
-    return sorted(ports)
+    return sorted(ports | set(options.drop_report_ports))
 
 
 def plan_switch(config: SwitchConfig, options: DeployOptions | None = None) -> TofinoPlan:
@@ -473,9 +528,9 @@ def plan_switch(config: SwitchConfig, options: DeployOptions | None = None) -> T
     dlcp_entries, plan.queues, plan.cells_per_packet = dlcp_plan(config, options, ports)
     plan.entries += dlcp_entries
     plan.entries += route_entries(config, options)
-    plan.drop_report_port = options.drop_report_port
+    plan.drop_report_ports = drop_report_plan(config, options)
     plan.defaults.append(DefaultEntry(T_DROP_REPORTING, "set_drop_reporting",
-                                      (("enabled", int(options.drop_report_port is not None)),)))
+                                      (("enabled", int(plan.drops_reported)),)))
     if options.add_ports:
         plan.ports = [PortSetting(p, options.speed, options.fec) for p in ports]
     return plan

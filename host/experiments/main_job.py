@@ -53,8 +53,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing
 import os
 import socket
+import signal
 import sys
 import tempfile
 import time
@@ -77,6 +79,7 @@ import thc
 from dataplane.config import MAX_VALUES, Job, Member, SwitchConfig
 from dataplane.dpdk_runner import SWITCH_BIN, HostService, SwitchError
 from dataplane.udp_service import serve
+from dataplane.wire import AGG_PORT_BASE
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port, thc_hook, thc_hook_state
 from host.experiments.bench_allreduce import link_mtu
 from host.experiments.common import load_digits_split, make_model
@@ -484,8 +487,8 @@ def start_dpdk_switch(args):
         path = Path(args.out_dir) / "main_job_dpdk_stats.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(stats, indent=1))
-    print(f"DPDK switch at {switch_ip}:50000 behind veth {service.iface}")
-    return (switch_ip, 50000), [(host_ip, p) for p in ports], stop
+    print(f"DPDK switch at {switch_ip}:{AGG_PORT_BASE} behind veth {service.iface}")
+    return (switch_ip, AGG_PORT_BASE), [(host_ip, p) for p in ports], stop
 
 
 def run_workers(args, aggregator, members, runs=None, links=None):
@@ -679,6 +682,12 @@ def plot(summary, names, tta, path):
     fig.savefig(path, dpi=120)
 
 
+def _exit_on_sigterm(signum, frame):
+    for worker in multiprocessing.active_children():   # the training processes first
+        worker.terminate()
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -686,6 +695,9 @@ def main(argv=None):
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(args.workers))
     stop = lambda: None  # noqa: E731
     aggregator, members = None, None
+    # SIGTERM ends the job like Ctrl-C: the finally below stops the aggregator (the DPDK
+    # switch and its veth pair) and the network lab tears its links down.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if "thc" in args.runs and not args.link_mbit:
         aggregator, members, stop = start_aggregator(args)
     try:

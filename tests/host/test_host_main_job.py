@@ -1,8 +1,10 @@
 """The main job end to end: real worker processes, the embedded reference aggregator or
 the DPDK switch."""
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,6 +123,34 @@ def test_main_job_with_the_dpdk_switch(tmp_path):
     assert job["results_multicast"] >= results > 0
     assert job["aggregated"] >= 2 * results
     assert job["drop_not_member"] == 0 and job["drop_bad_slot"] == 0
+
+
+def test_sigterm_stops_the_main_job_and_removes_its_switch(tmp_path):
+    """SIGTERM mid-training: the workers stop, the DPDK switch exits and its veth pair goes."""
+    reason = main_job.dpdk_unavailable()
+    if reason:
+        pytest.skip(reason)
+    proc = subprocess.Popen([sys.executable, "-m", "host.experiments.main_job", "--aggregator",
+                             "dpdk", "--workers", "2", "--steps", "5000", "--hidden", "64",
+                             "--no-baseline", "--out-dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    veth = None
+    try:
+        for line in proc.stdout:                  # "DPDK switch at IP:PORT behind veth NAME"
+            if "behind veth" in line:
+                veth = line.split("behind veth")[1].split()[0]
+                break
+        assert veth, "the main job never started its switch"
+        time.sleep(5)                             # training is under way
+        assert subprocess.run(["ip", "link", "show", veth], capture_output=True).returncode == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert subprocess.run(["ip", "link", "show", veth], capture_output=True).returncode != 0
+    left = subprocess.run(["pgrep", "-f", f"thc_switch.*{veth}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"thc_switch still running: {left.stdout}"
 
 
 @pytest.mark.netns

@@ -14,11 +14,13 @@ import pytest
 
 from bfrt_scripts import deploy, setup_switch
 from bfrt_scripts import tofino_plan as tp
-from bfrt_scripts.bfrt_controls import BfrtWriter, ThcInaSwitch, as_int
+from bfrt_scripts.bfrt_controls import (BfrtError, BfrtWriter, ThcInaSwitch, as_int,
+                                         planned_key, shown_key)
 from dataplane import job_plan
 from dataplane import reference as ref
 from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
 from .bfrt_standin import BfrtStandIn, StandInError
+from .tna_source import bfrt_tables, program
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 
@@ -39,7 +41,7 @@ def config(**kw) -> SwitchConfig:
     return SwitchConfig(jobs=jobs, routes=routes, **kw).validate()
 
 
-OPTIONS = tp.DeployOptions(drop_report_port=30, add_ports=True)
+OPTIONS = tp.DeployOptions(drop_report_ports=(30,), add_ports=True)
 
 
 def table_writes(standin, prefix="thc_ina.pipe."):
@@ -120,7 +122,8 @@ def test_traffic_manager_gets_strict_priority_capacity_and_colour_limits():
     for port in ports:
         raw = standin.tf1.tm.port.cfg.get(dev_port=port).raw()["data"]
         for queue in range(8):
-            key = {"pg_id": raw["pg_id"], "pg_queue": raw["egress_qid_queues"][queue]}
+            key = {"pipe": tp.pipe_of(port), "pg_id": raw["pg_id"],
+                   "pg_queue": raw["egress_qid_queues"][queue]}
             sched = standin.tf1.tm.queue.sched_cfg.get(**key).raw()["data"]
             assert sched["max_priority"] == sched["min_priority"] == str(queue)
             buffer = standin.tf1.tm.queue.buffer.get(**key).raw()
@@ -129,10 +132,11 @@ def test_traffic_manager_gets_strict_priority_capacity_and_colour_limits():
             color = standin.tf1.tm.queue.color.get(**key).raw()["data"]
             assert color["drop_enable"] is True
             assert color["drop_limit_yellow"] == tp.yellow_limit(cfg.dlcp.thresholds[queue], 40)
-    pipe = standin.tf1.tm.pipe.cfg.get(pipe=0).raw()["data"]
+    pipe = standin.tf1.tm.pipe.cfg.get_default(pipe=0).raw()["data"]
     report = standin.tf1.tm.port.cfg.get(dev_port=30).raw()["data"]
     assert (pipe["mirror_drop_pg_id"], pipe["mirror_drop_pg_queue"]) == \
         (report["pg_id"], report["egress_qid_queues"][0])
+    assert "mirror_drop_enable" not in pipe             # Tofino 1's pipe.cfg has no such field
     marks = {e.key_dict["queue"]: e.data_dict["mark_cells"]
              for e in plan.entries if e.table == tp.T_QUEUE_THRESHOLDS}
     assert marks == {q: k * cpp for q, k in enumerate(cfg.dlcp.thresholds)}
@@ -387,22 +391,192 @@ def test_deploy_runs_the_script_through_bfshell(tmp_path):
 
 
 def test_writer_reports_a_refused_write():
-    class Refusing:
-        class thc_ina:
-            class pipe:
-                class SwitchIngress:
-                    class job_membership:
-                        class jobs:
-                            @staticmethod
-                            def get(**_):
-                                return -1
+    writer = BfrtWriter(BfrtStandIn(), "thc_ina")
+    with pytest.raises(BfrtError, match="add_with_set_job on thc_ina.pipe.SwitchIngress."
+                                        "job_membership.jobs .*does not fit 13 bits"):
+        writer.put(tp.T_JOBS, {"job": 1}, {"job_index": 0, "counter_base": 0,
+                                           "slot_base": 1 << 13, "pool_size": 1,
+                                           "values_per_packet": 1, "member_count": 1,
+                                           "group": 1}, "set_job", {})
 
-                            @staticmethod
-                            def add_with_set_job(**_):
-                                raise RuntimeError("table full")
 
-    writer = BfrtWriter(Refusing, "thc_ina")
-    entry = tp.TableEntry(tp.T_JOBS, (("job", 1),), "set_job", (("group", 1),))
-    with pytest.raises(Exception, match="add_with_set_job on thc_ina.pipe.SwitchIngress."
-                                        "job_membership.jobs .*table full"):
-        writer.ensure_entry(entry)
+# ---------------------------------------------------------------- batching
+def test_program_writes_go_in_one_batch_without_a_read_each():
+    standin = BfrtStandIn()
+    plan = ThcInaSwitch(standin, OPTIONS).install(config())
+    writes = table_writes(standin)
+    assert len(writes) > 16000 and standin.batches == 1
+    # one dump per program table, the TM's reads and writes: not one per entry
+    program_tables = len({e.table for e in plan.entries}) + len(plan.defaults)
+    tm_calls = 2 * 3 * len(plan.queues) + 2 * len(tp.used_ports(config(), OPTIONS))
+    assert standin.round_trips < program_tables + tm_calls + 100 < len(writes) // 20
+    # a second job on the same ports: ~8,500 more entries, only its 4 PRE writes more
+    one, two = BfrtStandIn(), BfrtStandIn()
+    ThcInaSwitch(one, OPTIONS).install(config(jobs=(job(),)))
+    ThcInaSwitch(two, OPTIONS).install(config(jobs=(job(), job(11, 4, 3))))
+    assert len(table_writes(two)) - len(table_writes(one)) > 8000
+    assert two.round_trips - one.round_trips == 4
+
+
+# ---------------------------------------------------------------- redeploy and teardown
+def assert_switch_holds(standin, plan, program="thc_ina"):
+    """Every program table holds exactly the plan's entries, the PRE exactly its nodes
+    and groups."""
+    planned = {}
+    for e in plan.entries:
+        planned.setdefault(e.table, {})[planned_key(e.key)] = e
+    for path in tna_tables():
+        table = standin.table(f"{program}.{path}")
+        held = {shown_key(entry.raw()["key"]): entry for entry in table.entries.values()}
+        assert set(held) == set(planned.get(path, {})), path
+        for key, e in planned.get(path, {}).items():
+            raw = held[key].raw()
+            assert raw["action"].endswith(e.action)
+            assert all(as_int(raw["data"][k]) == v for k, v in e.data)
+    nodes = {k[0][1]: e.raw()["data"]["$DEV_PORT"] for k, e in standin.pre.node.entries.items()}
+    assert nodes == {n.node_id: list(n.dev_ports) for n in plan.nodes}
+    groups = {k[0][1]: e.raw()["data"]["$MULTICAST_NODE_ID"]
+              for k, e in standin.pre.mgid.entries.items()}
+    assert groups == {g.mgid: list(g.node_ids) for g in plan.groups}
+
+
+def tna_tables():
+    return [p for p, (t, _) in bfrt_tables(program()).items() if t.keys]
+
+
+def dirty_job_state(standin, plan, job_id):
+    """Slot state and counters as a running job leaves them."""
+    layout = plan.layouts[job_id]
+    slots, copies = tp.slot_cells(layout.slot_base, layout.pool_size)
+    for path, fields in tp.SLOT_REGISTERS.items():
+        for cell in slots:
+            standin.registers[path].cells[cell] = {f: 1 for f in fields}
+    for path, fields in tp.COPY_REGISTERS.items():
+        for cell in copies:
+            standin.registers[path].cells[cell] = {f: 7 for f in fields}
+    for cell in range(layout.counter_base, layout.counter_base + job_plan.JOB_COUNTER_STRIDE):
+        standin.counters[tp.C_JOB][cell] = 5
+
+
+def dirty_cells(standin):
+    return {(path, cell) for path, reg in standin.registers.items()
+            for cell, values in reg.cells.items() if any(values.values())}
+
+
+def test_deploy_redeploy_with_a_change_and_remove_leave_the_switch_as_planned():
+    standin = BfrtStandIn()
+    first = ThcInaSwitch(standin, OPTIONS).install(config())
+    assert_switch_holds(standin, first)
+    dirty_job_state(standin, first, 10)
+    dirty_job_state(standin, first, 11)
+    # job 10 goes, job 11 moves to slot 0 (a new layout), the route changes
+    changed = config(jobs=(job(11, 4, 3, first_port=8),),
+                     routes=(Route("10.8.0.0/16", 21, "02:00:00:00:09:03"),))
+    second = ThcInaSwitch(standin, OPTIONS).install(changed)
+    assert_switch_holds(standin, second)
+    assert dirty_cells(standin) == set()            # both jobs' old slots were cleared
+    assert all(v == 0 for v in standin.counters[tp.C_JOB].values())
+    deletes = [w for w in standin.log if w[0] == "delete"]
+    assert any(w[1] == "pre.mgid" for w in deletes) and any(w[1] == "pre.node" for w in deletes)
+    # an unchanged job keeps its state on a redeploy
+    dirty_job_state(standin, second, 11)
+    ThcInaSwitch(standin, OPTIONS).install(changed)
+    assert len(dirty_cells(standin)) == (len(tp.SLOT_REGISTERS) + 2 * len(tp.COPY_REGISTERS)) * 4
+    teardown = ThcInaSwitch(standin, OPTIONS).remove()
+    assert_switch_holds(standin, teardown)
+    assert dirty_cells(standin) == set()
+    assert standin.table(f"thc_ina.{tp.T_DROP_REPORTING}").get_default().raw()["data"] == \
+        {"enabled": 0}
+    assert standin.tf1.tm.pipe.cfg.get_default(pipe=0).raw()["data"] == {}     # reset
+    again = ThcInaSwitch(standin, OPTIONS)
+    again.remove()
+    assert [c[0] for c in again.writer.changes] == ["reset_default"]   # nothing else left
+
+
+# ---------------------------------------------------------------- drop reporting per pipe
+def test_every_pipe_that_carries_traffic_needs_its_own_drop_report_port():
+    on_two_pipes = config(jobs=(job(), job(11, 4, 3, first_port=8)))
+    split = tp.DeployOptions(port_map=((8, 136), (9, 137), (10, 138)),
+                             drop_report_ports=(30,))
+    with pytest.raises(ConfigError, match="pipe 1 \\(dev_ports 136, 137, 138\\) has no "
+                                          "drop-report port.*--drop-report-port"):
+        tp.plan_switch(on_two_pipes, split)
+    with pytest.raises(ConfigError, match="both on pipe 0"):
+        tp.plan_switch(config(), tp.DeployOptions(drop_report_ports=(30, 31)))
+    both = tp.DeployOptions(port_map=split.port_map, drop_report_ports=(30, 150))
+    standin = BfrtStandIn()
+    plan = ThcInaSwitch(standin, both).install(on_two_pipes)
+    assert plan.drop_report_ports == {0: 30, 1: 150}
+    for pipe, port in plan.drop_report_ports.items():
+        report = standin.tf1.tm.port.cfg.get(dev_port=port).raw()["data"]
+        cfg = standin.tf1.tm.pipe.cfg.get_default(pipe=pipe).raw()["data"]
+        assert (cfg["mirror_drop_pg_id"], cfg["mirror_drop_pg_queue"]) == \
+            (report["pg_id"], report["egress_qid_queues"][0])
+    assert tp.DeployOptions.from_dict({"drop_report_port": 30}).drop_report_ports == (30,)
+
+
+def test_tofino2_switches_mirror_drop_on():
+    standin = BfrtStandIn(tofino=2)
+    ThcInaSwitch(standin, tp.DeployOptions(tofino=2, drop_report_ports=(30,))).install(config())
+    cfg = standin.tf2.tm.pipe.cfg.get_default(pipe=0).raw()["data"]
+    assert cfg["mirror_drop_enable"] is True and "mirror_drop_pg_queue" in cfg
+    with pytest.raises(StandInError, match="no data field mirror_drop_enable"):
+        BfrtStandIn().tf1.tm.pipe.cfg.set_default(pipe=0, mirror_drop_enable=True)
+
+
+def test_a_port_with_fewer_than_eight_queues_is_refused_by_its_queue_count():
+    standin = BfrtStandIn(port_queues={2: 4})
+    with pytest.raises(BfrtError, match="dev_port 2 has 4 queues; the DLCP stage needs 8"):
+        ThcInaSwitch(standin, OPTIONS).install(config())
+
+
+def test_the_sde_tables_offer_only_their_schemas_operations():
+    standin = BfrtStandIn()
+    tm = standin.tf1.tm
+    for table, method in ((tm.pipe.cfg, "get"), (tm.pipe.cfg, "mod"), (tm.port.cfg, "mod"),
+                          (tm.queue.sched_cfg, "get_default"), (tm.queue.sched_cfg, "add"),
+                          (tm.queue.buffer, "mod"), (standin.pre.node, "clear"),
+                          (standin.pre.node, "set_default"), (standin.port.port, "get_default")):
+        with pytest.raises(AttributeError):
+            getattr(table, method)
+    with pytest.raises(StandInError, match="pass pipe="):
+        tm.queue.color.mod(pg_id=0, pg_queue=0, drop_enable=True)
+    with pytest.raises(StandInError, match="read-only"):
+        tm.pipe.cfg.set_default(pipe=0, mirror_drop_dev_port=4)
+    with pytest.raises(StandInError, match="mandatory"):
+        standin.pre.node.add(MULTICAST_NODE_ID=1, MULTICAST_RID=0)
+
+
+def test_the_planned_registers_are_the_programs_slot_registers():
+    by_index = {}
+    for path, reg in BfrtStandIn().registers.items():
+        by_index.setdefault(reg.size, {})[path] = reg.fields
+    assert by_index[2 * tp.SLOT_BUDGET] == tp.COPY_REGISTERS
+    assert by_index[tp.SLOT_BUDGET] == tp.SLOT_REGISTERS
+
+
+# ---------------------------------------------------------------- failures and remove, as run
+def test_setup_script_reports_any_failure_in_one_line(tmp_path):
+    job_file = deploy.write_job_file(tmp_path / "job.json", config(), OPTIONS, "install")
+    lines = []
+    assert setup_switch.main(object(), str(job_file), out=lines.append) == 2
+    assert len(lines) == 1 and lines[0].startswith("error: AttributeError")
+    assert json.loads(deploy.status_file(job_file).read_text())["status"] == "error"
+
+
+def test_deploy_remove_runs_the_teardown_through_bfshell(tmp_path):
+    runner = tmp_path / "run_bfshell.sh"
+    runner.write_text(FAKE_BFSHELL.format(python=sys.executable, root=str(deploy.REPO_ROOT)))
+    runner.chmod(0o755)
+    good = config().save(tmp_path / "good.json")
+    job_file = tmp_path / "job.json"
+    env = dict(os.environ, SDE=str(tmp_path), PYTHONPATH=str(deploy.REPO_ROOT))
+    run = subprocess.run([sys.executable, "-m", "bfrt_scripts.deploy", "--config", str(good),
+                          "--job-file", str(job_file), "--remove",
+                          "--drop-report-port", "30"],
+                         capture_output=True, text=True, cwd=deploy.REPO_ROOT, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    spec = json.loads(job_file.read_text())
+    assert spec["mode"] == "remove" and spec["options"]["drop_report_ports"] == [30]
+    assert json.loads(deploy.status_file(job_file).read_text())["status"] == "ok"

@@ -158,7 +158,7 @@ def key_params(table: ts.Table) -> set[str]:
 
 def test_every_planned_entry_fits_the_program(controls):
     known = ts.bfrt_tables(controls)
-    plan = tp.plan_switch(full_config(), tp.DeployOptions(drop_report_port=5))
+    plan = tp.plan_switch(full_config(), tp.DeployOptions(drop_report_ports=(5,)))
     assert {e.table for e in plan.entries} <= set(known)
     for e in plan.entries:
         table, ctl = known[e.table]
@@ -515,7 +515,7 @@ def assert_plan_fits_bfrt(bfrt: dict) -> None:
     action parameter of the compiler's own control-plane description (bfrt.json), and
     every counter and register they read exists there."""
     tables = {t["name"]: t for t in bfrt["tables"]}
-    plan = tp.plan_switch(full_config(), tp.DeployOptions(drop_report_port=5))
+    plan = tp.plan_switch(full_config(), tp.DeployOptions(drop_report_ports=(5,)))
     for e in plan.entries + plan.defaults:
         assert e.table in tables, e.table
         t = tables[e.table]
