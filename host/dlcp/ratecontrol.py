@@ -6,8 +6,9 @@ sender compares it with its own send rate over the same stretch:
 * LINE_RATE_START: rate = link bandwidth. The first report with send > delta*recv halves
   the rate and enters CONG_AVOID.
 * CONG_AVOID: send > delta*recv -> halve; otherwise add ai_fraction*link (capped at link).
-* A retransmission round (the sender re-enters sending after RETX_REQ) resets to
-  LINE_RATE_START at line rate.
+* A retransmission round (the sender queues the resends a STATUS asked for; with a
+  STATUS per band there can be one per band and iteration) resets to LINE_RATE_START at
+  line rate.
 
 "Congested" is send > delta*recv in both states: the paper's CONG_AVOID sentence reads the
 other way round, which we take for a typo. Optional ECN echo (our extension,

@@ -18,28 +18,40 @@ gradient of one training step), named by its key = the first tensor's id.
    (id, size, segments, p, stage) and at once starts sending the data of all of them,
    back to back, paced by one rate controller that lives as long as the sender. Data
    that reaches the receiver before ANNOUNCE is dropped and counted (``early_drops``);
-   it counts as lost, which the bound and the end exchange cover.
+   it counts as lost, which the bound and the band's STATUS cover.
 2. The receiver copies each segment into place. A tensor is complete at the first
    arrival at which ``received >= ceil((1-p) * num_segments)`` (its completion time is
    recorded). When every tensor of the iteration is complete the receiver sends
    STATUS(done) at once; the sender stops sending (the FIN cut, per iteration) and the
    receiver delivers the tensors.
-3. When the sender runs out of data first it sends END (the paper's STOP). Once the
-   round's data has drained, the receiver answers with one STATUS that lists, for every
-   tensor still below its bound, the segments it is missing; the sender resends exactly
-   those (ECT) and sends END again. There is no timer-driven data retransmission
-   (``recovery="timer"`` exists only as the evaluation baseline).
-4. Segment order is a fresh seeded permutation per (tensor, iteration), so the tail that
-   a cut or a loss takes is not the same parameters every iteration.
-5. End of a round: after its last datagram the sender sends an empty END_MARK datagram in
-   every band the round used (ECT, so only a full buffer drops it), then END on TCP.
-   END overtakes data still queued in the network (it rides the top queue); the markers
-   do not (same FIFO as their band), so when all of them are in, everything sent before
-   them has arrived or was dropped. The receiver answers END when the markers are in,
-   when it has seen as many datagrams as the sender sent, or (a marker lost) when the
+3. **A STATUS per band, when that band has passed.** The iteration is cut into band
+   sections (:func:`band_sections`: consecutive tensors whose datagrams use the same
+   DSCPs; in backprop order with DlcpPolicy, one section per band). Right behind a
+   section's last datagram the sender sends an empty END_MARK datagram in every band the
+   section used (ECT, so only a full buffer drops it; same FIFO as the section's data).
+   When all of a section's markers are in, everything of it sent before them has arrived
+   or was dropped, so the receiver at once sends a STATUS naming, for each of the
+   section's tensors still below its bound, its missing segments (tensors within their
+   bound and other sections are not named). The sender puts those resends (ECT, flag
+   RETX) at the front of its queue, i.e. right after the STATUS, while later sections are
+   still being sent, and ends them with the section's markers again, so a resend lost
+   again is asked for in the same way. The loss bound is thus met band by band: a band
+   is asked about only once its own data has passed, and a band still queued behind
+   higher ones (late, not lost) is waited for.
+4. END (the paper's STOP): when the sender's queue runs dry before STATUS(done) it sends
+   every section's newest marker batch once more (a batch lost to a full buffer still
+   brings its STATUS; one already answered is known by its seq and ignored), then END on
+   TCP. END overtakes data still queued in the network (it rides the top queue),
+   so the receiver answers it only for tensors no marker has covered yet, and only when
+   it has seen as many datagrams as the sender sent or (a marker lost) when the
    iteration's data has been idle for ``stop_drain_s``, counting only idle time in which
    nothing of the same or higher priority arrived (our extension: without it a receiver
-   requests segments that are merely queued behind higher bands).
+   requests segments that are merely queued behind higher bands). After that idle time
+   it names every tensor below its bound, including those whose resends' marker was
+   lost. There is no timer-driven data retransmission (``recovery="timer"`` exists only
+   as the evaluation baseline: no markers, END after ``rto_s``).
+5. Segment order is a fresh seeded permutation per (tensor, iteration), so the tail that
+   a cut or a loss takes is not the same parameters every iteration.
 6. The receiver reports the iteration's receive rate every ``report_period_s``; the
    sender runs :class:`~host.dlcp.ratecontrol.RateController` on it and paces to its
    rate. The controller is not restarted per tensor or per iteration.
@@ -56,6 +68,7 @@ import socket
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,8 +86,9 @@ DATA_HEADER_LEN = DATA_HEADER.size       # 16
 HEADER_DTYPE = np.dtype([("tensor", ">u4"), ("offset", ">u4"), ("length", ">u2"),
                          ("seq", ">u4"), ("flags", "u1"), ("reserved", "u1")])
 FLAG_RETX = 0x01
-FLAG_END_MARK = 0x02     # end-of-round marker: tensor = iteration key, offset = markers in
-                         # the round, seq = datagrams sent so far, no payload
+FLAG_END_MARK = 0x02     # end of a band section: tensor = iteration key, offset = the section's
+                         # first tensor (ANNOUNCE order), length = its tensors, seq = data
+                         # datagrams sent so far, reserved = markers sent with it; no payload
 VALUES_PER_SEGMENT = 350                 # 1400 B of fp32: one 1500-byte-MTU datagram
 MAX_VALUES_PER_SEGMENT = (65507 - DATA_HEADER_LEN) // 4
 WIRE_OVERHEAD = 14 + 20 + 8              # Ethernet + IPv4 + UDP, for pacing
@@ -207,6 +221,26 @@ def send_order(num_segments: int, seed: int, tensor_id: int, iteration: int,
     raise ValueError(f"segment order {order!r}: use 'random', 'rotate' or 'sequential'")
 
 
+def band_sections(tos_per_tensor: list[np.ndarray]) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Cut an iteration (tensors in send order, each with its datagrams' ToS bytes) into
+    band sections: maximal runs of consecutive tensors whose datagrams use the same set
+    of DSCPs. Returns each tensor's section and each section's (first tensor, count).
+    In backprop order with DlcpPolicy a section is one band: it is sent in one stretch,
+    and its END_MARK right behind it says the band has passed."""
+    section_of = np.zeros(len(tos_per_tensor), np.int64)
+    sections: list[tuple[int, int]] = []
+    previous = None
+    for k, tos in enumerate(tos_per_tensor):
+        dscps = frozenset((np.asarray(tos) >> 2).tolist())
+        if dscps == previous:
+            first, count = sections[-1]
+            sections[-1] = (first, count + 1)
+        else:
+            sections.append((k, 1))
+        section_of[k], previous = len(sections) - 1, dscps
+    return section_of, sections
+
+
 def encode_segments(tensor_id: int, values: np.ndarray, values_per_segment: int) -> np.ndarray:
     """All data datagrams of a tensor as rows of one uint8 array (vectorized, seq = 0)."""
     flat = np.ascontiguousarray(np.ravel(values), dtype=np.float32)
@@ -298,6 +332,7 @@ class _Inbound:
     received_at_fin: int = 0
     retx_requests: int = 0
     duplicates: int = 0
+    asked: bool = False           # a STATUS asked for its segments; no marker behind the answer yet
 
     @property
     def complete(self) -> bool:
@@ -320,8 +355,9 @@ class _InboundIteration:
     rank: int = 0                     # lowest priority (highest rank) its data arrived with
     stop_sent: int | None = None      # END seen (datagrams the sender had sent), not answered
     stop_time: float = 0.0
-    marks: dict = field(default_factory=dict)   # sent -> [markers seen, markers in the round]
-    answered_sent: int = -1           # the round (by `sent`) already answered
+    marks: dict = field(default_factory=dict)   # (first tensor, seq) -> [markers seen, in the batch]
+    section_answered: dict = field(default_factory=dict)   # first tensor -> newest seq answered
+    answered_sent: int = -1           # the END (by `sent`) already answered
     done: bool = False
 
 
@@ -548,41 +584,58 @@ class DlcpReceiver:
     def _on_end(self, key: int, sent: int) -> None:
         it = self._iterations.get(key)
         if it is None or it.done or sent <= it.answered_sent:
-            return      # done already, or this round was answered on its markers
+            return      # done already, or this END was answered
         it.stop_sent = sent
         it.stop_time = time.monotonic()
         self._answer_ends(it.stop_time)
 
     def _answer_ends(self, now: float) -> None:
-        """Answer END with STATUS once no data of the round is still in flight.
+        """Answer END with a STATUS for the tensors no band marker has covered, once none
+        of them is still in flight.
 
         END travels on the top-priority control queue and overtakes data still queued in
         the network; answering at once would request segments that are about to arrive.
+        A tensor below its bound that is not `asked` has no marker behind its data yet:
+        its band is late (starved under strict priority), not lost, and is waited for.
         """
         for it in list(self._iterations.values()):
             if it.stop_sent is None or it.done:
                 continue
-            # Fallback clock: runs only while nothing of this priority or above arrives.
-            # Under strict priority a starved band's data sits in the switch; asking for
-            # it again would only add duplicates to a full queue.
+            # Fallback clock (a marker lost): runs only while nothing of this priority or
+            # above arrives. Under strict priority a starved band's data sits in the
+            # switch; asking for it again would only add duplicates to a full queue.
             busy = float(self._rank_last_arrival[:it.rank + 1].max())
-            seen, expected = it.marks.get(it.stop_sent, (0, 1))
-            drained = (seen >= expected or it.arrivals >= it.stop_sent
-                       or now - max(it.last_arrival, it.stop_time, busy) >= self.stop_drain_s)
-            if drained:
-                self._request_missing(it)
+            idle = now - max(it.last_arrival, it.stop_time, busy) >= self.stop_drain_s
+            short = [st for st in it.tensors if not st.complete]
+            unasked = [st for st in short if not st.asked]
+            if idle:
+                self._request_missing(it, short)       # resends whose marker was lost, too
+            elif unasked and it.arrivals >= it.stop_sent:
+                self._request_missing(it, unasked)     # every datagram sent is in
+            else:
+                continue                               # in flight, or every band already asked
+            it.answered_sent, it.stop_sent = it.stop_sent, None
 
-    def _request_missing(self, it: _InboundIteration) -> None:
-        """One STATUS for the whole iteration: the missing segments of every tensor that
-        is still below its bound."""
-        it.answered_sent, it.stop_sent = it.stop_sent, None
+    def _answer_section(self, it: _InboundIteration, first: int, count: int, seq: int) -> None:
+        """A band section's markers are all in: everything sent before them has arrived or
+        was dropped, so ask at once for the missing segments of its tensors below their
+        bound (its other tensors, and other sections, are not named)."""
+        it.section_answered[first] = seq
+        section = it.tensors[first:first + count]
+        for st in section:
+            st.asked = False
+        short = [st for st in section if not st.complete]
+        if short:
+            self._request_missing(it, short)
+
+    def _request_missing(self, it: _InboundIteration, short: list) -> None:
+        """One STATUS (not done) listing, for each tensor in `short` (all below their
+        bound), the segments it is missing."""
         entries = []
-        for st in it.tensors:
-            missing = np.zeros(0, np.int64)
-            if not st.complete:
-                st.retx_requests += 1
-                missing = np.flatnonzero(~st.received)
-            entries.append((st.tensor_id, st.count, missing))
+        for st in short:
+            st.retx_requests += 1
+            st.asked = True
+            entries.append((st.tensor_id, st.count, np.flatnonzero(~st.received)))
         self.statuses_sent += 1
         self._send(it.conn, frame(MSG_STATUS, status_body(it.key, False, entries)))
 
@@ -659,15 +712,19 @@ class DlcpReceiver:
         st = self._lookup(int(h["tensor"]))
         if st is None:
             return                          # a marker of a finished iteration: nothing to count
-        if h["length"] or nbytes != DATA_HEADER_LEN or st.iteration.key != st.tensor_id:
+        it = st.iteration
+        first, count, seq = int(h["offset"]), int(h["length"]), int(h["seq"])
+        if (nbytes != DATA_HEADER_LEN or it.key != st.tensor_id or count < 1
+                or first + count > len(it.tensors) or h["reserved"] < 1):
             self.malformed += 1
             return
         self.end_marks += 1
-        it, sent = st.iteration, int(h["seq"])
-        seen = it.marks.setdefault(sent, [0, max(1, int(h["offset"]))])
+        seen = it.marks.setdefault((first, seq), [0, int(h["reserved"])])
         seen[0] += 1
-        if not it.done and it.stop_sent is not None and sent >= it.stop_sent and seen[0] >= seen[1]:
-            self._request_missing(it)
+        if (not it.done and seen[0] == seen[1]
+                and seq > it.section_answered.get(first, -1)):
+            del it.marks[(first, seq)]
+            self._answer_section(it, first, count, seq)
 
     def _on_tensor_data(self, tid: int, rows, h, rank, tos, now: float) -> None:
         st = self._lookup(tid)
@@ -737,6 +794,7 @@ class SendStats:
     tos: np.ndarray = field(repr=False)           # ToS byte per segment
     sends: np.ndarray = field(repr=False)         # transmissions per segment
     retx_lists: list = field(default_factory=list, repr=False)  # each request's segments
+    last_seq: np.ndarray | None = field(default=None, repr=False)  # seq of each segment's last send
 
 
 @dataclass(frozen=True)
@@ -751,7 +809,8 @@ class DlcpSender:
     """DLCP sender to one receiver; send_iteration() is blocking, one iteration at a time.
 
     link_bps: host line rate (initial and maximum pacing rate); None sends unpaced.
-    recovery: "dlcp" (END as soon as the data runs out) or "timer" (baseline: wait
+    recovery: "dlcp" (an END_MARK behind every band section, so each band's STATUS comes
+    as soon as the band has passed; END when the data runs out) or "timer" (baseline: wait
     rto_s for STATUS(done) first, i.e. timeout-driven recovery; use with p = 0).
     retx_important: send retransmitted segments ECT whatever their importance: the
     receiver asked for them to meet the bound, and a Not-ECT resend would be dropped
@@ -878,9 +937,20 @@ class DlcpSender:
         return _IterationTransfer(self, tensors, flats, stage, num_layers, iteration, p).run()
 
 
+@dataclass(eq=False)
+class _Chunk:
+    """Rows to send in order (a band section's first transmission or a STATUS's resends
+    for it), then that section's END_MARKs."""
+    rows: np.ndarray
+    section: int
+    pos: int = 0                  # rows already sent
+
+
 class _IterationTransfer:
     """One iteration on the sender side: every tensor's datagrams as rows of one array
-    (in send order), sent in paced batches; END/STATUS rounds."""
+    (in send order), sent in paced batches as a queue of band-section chunks, each
+    followed by its END_MARKs; a STATUS's resends go to the front of the queue; END when
+    the queue runs dry."""
 
     def __init__(self, sender: DlcpSender, tensors, flats, stage, num_layers, iteration, p):
         s = self.s = sender
@@ -900,6 +970,10 @@ class _IterationTransfer:
         self.packets = PacketRows(np.concatenate(rows), np.concatenate(lengths), np.concatenate(tos))
         self.first_tos = self.packets.tos.copy()
         self.row_sends = np.zeros(len(self.packets.rows), np.int64)
+        self.row_last_seq = np.full(len(self.packets.rows), -1, np.int64)
+        self.queued = np.ones(len(self.packets.rows), bool)    # waiting in self.queue
+        self.section_of, self.sections = band_sections(
+            [self.packets.tos[lo:hi] for lo, hi in zip(self.base[:-1], self.base[1:])])
         self.row_wire_bits = (self.packets.lengths + WIRE_OVERHEAD) * 8
         self.announce = announce_body(self.key, [
             TensorAnnouncement(t.tensor_id, f.size, n, s.vps, p, STAGES.index(stage))
@@ -907,7 +981,8 @@ class _IterationTransfer:
         self.need = [fin_threshold(n, p) for n in self.counts]
         self.first_sent = np.zeros(len(tensors))
         self.done = False
-        self.status: dict | None = None
+        self.queue: deque[_Chunk] = deque()
+        self.last_marks: dict[int, PacketRows] = {}    # section -> its newest END_MARK batch
         self.received: dict[int, int] = {}
         self.seq = 0
         self.stops = 0
@@ -924,23 +999,25 @@ class _IterationTransfer:
         if self.announced:
             self._control(MSG_ANNOUNCE, self.announce)      # zero-RTT: data follows at once
         self.window_start = self.next_t = t0
-        pending = np.arange(len(self.packets.rows))
+        self.queue.extend(_Chunk(np.arange(self.base[first], self.base[first + count]), k)
+                          for k, (first, count) in enumerate(self.sections))
         while True:
-            self._send_rows(pending, t0)
+            self._send_queue(t0)
             if self.done:
                 break
             if s.recovery == "timer":
                 self._wait(time.monotonic() + s.rto_s)     # baseline: retransmit on timeout
                 if self.done:
                     break
+            # Out of data (every band's STATUS may already have come and been served):
+            # END lets the receiver ask for whatever no band marker has covered.
+            if s.recovery == "dlcp":
+                self._repeat_end_marks()
             self.stops += 1
             self._control(MSG_END, END_BODY.pack(self.key, self.seq))
             self._wait(self.deadline, until_status=True)
             if self.done:
                 break
-            pending = self._retransmission_rows()
-            if s.rc is not None and s.reset_on_retx:
-                s.rc.on_retransmission()
         elapsed = time.monotonic() - t0
         return [self._stats(k, elapsed) for k in range(len(self.tensors))]
 
@@ -955,13 +1032,15 @@ class _IterationTransfer:
                          total - int((sends > 0).sum()), self.stops, len(self.retx_lists[tid]),
                          self.received.get(tid, 0), rc.halvings if rc else 0,
                          rc.rate_bps if rc else 0.0, self.first_tos[lo:hi][pos], sends,
-                         self.retx_lists[tid])
+                         self.retx_lists[tid], self.row_last_seq[lo:hi][pos])
 
-    def _retransmission_rows(self) -> np.ndarray:
-        """The rows the STATUS asked for, marked RETX (and ECT: asked for to meet the bound)."""
-        rows = []
+    def _queue_retransmissions(self, entries: dict) -> None:
+        """The rows a STATUS asked for, marked RETX (and ECT: asked for to meet the bound),
+        queued ahead of everything not sent yet, one chunk per band section: they leave
+        right after this STATUS, each section's followed by its END_MARK."""
         index = {t.tensor_id: k for k, t in enumerate(self.tensors)}
-        for tid, (_, missing) in self.status.items():
+        by_section: dict[int, list] = {}
+        for tid, (_, missing) in entries.items():
             if tid not in index or not len(missing):
                 continue
             k = index[tid]
@@ -972,13 +1051,19 @@ class _IterationTransfer:
                 # Only what the bound needs, plus a margin for a resend lost again.
                 deficit = self.need[k] - self.received.get(tid, 0)
                 at = at[:max(1, deficit + math.ceil(self.s.retx_extra * deficit))]
-            rows.append(at)
-        self.status = None
-        rows = np.concatenate(rows) if rows else np.zeros(0, np.int64)
-        self.packets.rows[rows, 14] = FLAG_RETX
-        if self.s.retx_important:
-            self.packets.tos[rows] = (self.packets.tos[rows] & 0xFC) | ECT0
-        return rows
+            by_section.setdefault(int(self.section_of[k]), []).append(at[~self.queued[at]])
+        chunks = [_Chunk(np.concatenate(parts), sec) for sec, parts in sorted(by_section.items())]
+        chunks = [c for c in chunks if len(c.rows)]
+        if not chunks:
+            return
+        for c in chunks:
+            self.queued[c.rows] = True
+            self.packets.rows[c.rows, 14] = FLAG_RETX
+            if self.s.retx_important:
+                self.packets.tos[c.rows] = (self.packets.tos[c.rows] & 0xFC) | ECT0
+        self.queue.extendleft(reversed(chunks))
+        if self.s.rc is not None and self.s.reset_on_retx:
+            self.s.rc.on_retransmission()
 
     def _control(self, msg_type: int, body: bytes) -> None:
         ctrl = self.s.ctrl
@@ -988,34 +1073,41 @@ class _IterationTransfer:
         finally:
             ctrl.setblocking(False)
 
-    def _send_rows(self, pending: np.ndarray, t0: float) -> None:
-        """Send the rows in order, a batch per sendmmsg, paced at the controller's rate."""
-        s, pos = self.s, 0
-        while pos < len(pending):
+    def _send_queue(self, t0: float) -> None:
+        """Send the queued chunks front first, a batch per sendmmsg, paced at the
+        controller's rate; a STATUS read in between puts its resends at the front. A
+        finished chunk is followed by its section's END_MARKs."""
+        s = self.s
+        while self.queue:
             self._poll()
             if self.done:
                 return
             if not self.announced and time.monotonic() - t0 >= s.start_delay_s:
                 self._control(MSG_ANNOUNCE, self.announce)   # test hook: ANNOUNCE after data
                 self.announced = True
-            k = self._batch_size(pending[pos:pos + BATCH_MAX])
-            if k == 0:
+            chunk = self.queue[0]
+            k = self._batch_size(chunk.rows[chunk.pos:chunk.pos + BATCH_MAX])
+            if k == 0 or self.queue[0] is not chunk:
                 continue
-            batch = pending[pos:pos + k]
+            batch = chunk.rows[chunk.pos:chunk.pos + k]
             seq = np.arange(self.seq, self.seq + k, dtype=np.uint64).astype(">u4")
             self.packets.rows[batch, 10:14] = seq.view(np.uint8).reshape(k, 4)
             self.io_send(batch)
-            pos += k
+            chunk.pos += k
+            if chunk.pos == len(chunk.rows):
+                self.queue.popleft()
+                if s.recovery == "dlcp":
+                    self._send_end_marks(chunk)
         if not self.announced:
             self._control(MSG_ANNOUNCE, self.announce)
             self.announced = True
-        if s.recovery == "dlcp" and len(pending):
-            self._send_end_marks(pending)
 
     def io_send(self, batch: np.ndarray) -> None:
         self.s.io.send(self.packets, batch)
         new = self.row_sends[batch] == 0
         self.row_sends[batch] += 1
+        self.row_last_seq[batch] = np.arange(self.seq, self.seq + len(batch))
+        self.queued[batch] = False
         self.seq += len(batch)
         if new.any():
             tensor = np.searchsorted(self.base, batch[new], side="right") - 1
@@ -1040,16 +1132,24 @@ class _IterationTransfer:
         self.next_t = start[k - 1] + self.row_wire_bits[candidates[k - 1]] / rc.rate_bps
         return k
 
-    def _send_end_marks(self, pending: np.ndarray) -> None:
-        """An empty END_MARK behind the round's data in every band it used (ECT); its seq
-        is the datagrams sent so far and its offset the number of markers."""
-        bands = np.unique(self.packets.tos[pending] & 0xFC)
-        rows = np.zeros((len(bands), DATA_HEADER_LEN), np.uint8)
-        for r in range(len(bands)):
-            rows[r] = np.frombuffer(DATA_HEADER.pack(self.key, len(bands), 0, self.seq,
-                                                     FLAG_END_MARK, 0), np.uint8)
+    def _send_end_marks(self, chunk: "_Chunk") -> None:
+        """An empty END_MARK behind the chunk's data in every band it used (ECT, the same
+        FIFO as that data): offset and length name the section's tensors (first index,
+        count), seq is the datagrams sent so far, reserved the number of markers."""
+        bands = np.unique(self.packets.tos[chunk.rows] & 0xFC)
+        first, count = self.sections[chunk.section]
+        header = DATA_HEADER.pack(self.key, first, count, self.seq, FLAG_END_MARK, len(bands))
+        rows = np.tile(np.frombuffer(header, np.uint8), (len(bands), 1))
         marks = PacketRows(rows, np.full(len(bands), DATA_HEADER_LEN), bands | ECT0)
         self.s.io.send(marks, np.arange(len(bands)))
+        self.last_marks[chunk.section] = marks
+
+    def _repeat_end_marks(self) -> None:
+        """Every section's newest marker batch once more, behind everything sent: a batch
+        lost to a full buffer then still brings its section's STATUS when the band has
+        drained (a batch already answered is recognised by its seq and ignored)."""
+        for marks in self.last_marks.values():
+            self.s.io.send(marks, np.arange(len(marks.rows)))
 
     def _poll(self, timeout: float = 0.0) -> None:
         ctrl = self.s.ctrl
@@ -1076,7 +1176,7 @@ class _IterationTransfer:
             if done:
                 self.done = True
             else:
-                self.status = entries
+                self._queue_retransmissions(entries)
         elif msg_type == MSG_RATE:
             self._on_rate(*RATE_BODY.unpack(body)[1:])
         elif msg_type == MSG_ERROR:
@@ -1095,8 +1195,8 @@ class _IterationTransfer:
         self.s.rate_log.append((now, send_bps, recv_bps, ce_fraction, rc.rate_bps))
 
     def _wait(self, until: float, until_status: bool = False) -> None:
-        """Process control messages until STATUS (done, or with requests) or the time `until`."""
-        while not self.done and not (until_status and self.status is not None):
+        """Process control messages until STATUS (done, or resends queued) or the time `until`."""
+        while not self.done and not (until_status and self.queue):
             left = until - time.monotonic()
             if left <= 0:
                 if until_status:

@@ -9,7 +9,7 @@ import pytest
 
 from host.dlcp.marking import DlcpPolicy
 from host.netlab.relay import LossyRelay, dlcp_header, dlcp_loss, dlcp_rule
-from host.dlcp.transport import (DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, MSG_ANNOUNCE, MSG_END,
+from host.dlcp.transport import (DATA_HEADER, DATA_HEADER_LEN, FLAG_END_MARK, FLAG_RETX, MSG_ANNOUNCE, MSG_END,
                                  WIRE_OVERHEAD, DlcpError, DlcpReceiver, DlcpSender, LossBounds,
                                  TensorToSend, apply_missing_policy, encode_segments, fin_threshold,
                                  frame, segment_bounds, send_order)
@@ -124,7 +124,8 @@ def test_h7_loss_above_bound_recovers_via_stop_retx(receiver):
             DlcpSender(relay.address, receiver.tcp_addr, link_bps=2e8, bounds=LossBounds(0.1, 0.05)) as s:
         st = s.send_tensor(50, x)
         res = receiver.wait(50, 10)
-    dropped = {off // 350 for tid, off, flags in map(dlcp_header, relay.dropped) if tid == 50}
+    dropped = {off // 350 for tid, off, flags in map(dlcp_header, relay.dropped)
+               if tid == 50 and not flags & FLAG_END_MARK}
     assert len(dropped) > 10 and st.stops >= 1 and st.retx_requests >= 1
     requested = set(st.retx_lists[0])
     assert dropped <= requested                  # every lost segment is asked for ...
@@ -155,7 +156,9 @@ def test_h8_silent_receiver_gets_each_segment_once_then_timeout():
     except socket.timeout:
         pass
     marks = [g for g in got if g[14] & FLAG_END_MARK]
-    assert len(marks) == 1 and len(marks[0]) == DATA_HEADER_LEN      # the round's end marker
+    # the band's END_MARK (tensors 0..0, after 10 datagrams, 1 marker), repeated before END
+    assert marks == [marks[0]] * 2 and len(marks[0]) == DATA_HEADER_LEN
+    assert marks[0][4:14] == bytes([0, 0, 0, 0, 0, 1, 0, 0, 0, 10]) and marks[0][15] == 1
     got = [g for g in got if not g[14] & FLAG_END_MARK]
     segs = sorted(int.from_bytes(g[4:8], "big") // 350 for g in got)
     assert segs == list(range(10))               # every segment exactly once, no RETX flag
@@ -339,7 +342,7 @@ def test_one_control_exchange_per_iteration(receiver):
 
 
 def test_status_lists_missing_only_below_the_bound(receiver, raw_sender):
-    """One STATUS for the iteration: a tensor within its bound asks for nothing."""
+    """END's STATUS names only the tensors below their bound, with their missing segments."""
     a, b = grad(100, 20), grad(100, 21)                  # 10 segments each
     key = raw_sender.announce([(500, a.size, 0.2), (501, b.size, 0.2)])
     ga, gb = raw_sender.datagrams(500, a), raw_sender.datagrams(501, b)
@@ -351,8 +354,7 @@ def test_status_lists_missing_only_below_the_bound(receiver, raw_sender):
     raw_sender.settle(until_udp=16)
     raw_sender.end(key, 16)
     (done, entries), = raw_sender.messages()
-    assert not done
-    assert entries[500][0] == 9 and entries[500][1].tolist() == []
+    assert not done and set(entries) == {501}            # a, within its bound, is not named
     assert entries[501][0] == 7 and entries[501][1].tolist() == [1, 4, 7]
     raw_sender.send(gb[4])                               # b reaches 8: the iteration is done
     (done, entries), = raw_sender.messages()
@@ -376,9 +378,16 @@ def test_iteration_under_loss_retransmits_only_for_tensors_below_bound(receiver)
             named[lst] += 1
         assert (st.sends <= 1 + named).all()             # resent only when asked
     assert relay.dropped and sum(st.retransmitted for st in stats) > 0
-    # one STATUS per round names every tensor that needs more; within-bound ones get none
-    assert all(len(st.retx_lists) <= st.stops for st in stats)
-    assert any(st.retx_requests == 0 for st in stats) or all(st.retx_lists for st in stats)
+    # a tensor whose first transmission stayed within its bound is never named
+    lost = {}
+    for tid, off, flags in map(dlcp_header, relay.dropped):
+        if not flags & (FLAG_RETX | FLAG_END_MARK):
+            lost[tid] = lost.get(tid, 0) + 1
+    for t, st in zip(tensors, stats):
+        if lost.get(t.tensor_id, 0) <= st.num_segments - fin_threshold(st.num_segments, 0.1):
+            assert st.retx_requests == 0
+        else:
+            assert st.retx_requests >= 1
 
 
 def test_rate_state_carries_across_tensors_and_iterations(receiver):
@@ -489,3 +498,126 @@ def test_finished_tensor_memory_is_bounded():
             assert (r.late_packets, r.early_drops) == (1, 1)
         finally:
             raw.close()
+
+
+# --- per-band END: a band's STATUS when that band has passed ---------------------------------
+def band_mark(key, first, count, sent, markers=1):
+    """A band section's END_MARK: tensors [first, first + count) of the iteration, sent
+    after `sent` datagrams, one of `markers` (one per DSCP the section used)."""
+    return DATA_HEADER.pack(key, first, count, sent, FLAG_END_MARK, markers)
+
+
+def test_band_status_is_sent_when_that_band_ends(receiver, raw_sender):
+    """The back band's marker is in: STATUS names its missing segments at once, without
+    END and before any datagram of the next band was sent."""
+    a, b = grad(100, 40), grad(100, 41)                  # 10 segments each, p = 0.2: need 8
+    key = raw_sender.announce([(700, a.size, 0.2), (701, b.size, 0.2)])
+    ga, gb = raw_sender.datagrams(700, a), raw_sender.datagrams(701, b)
+    for k in (0, 1, 2, 4, 5, 7, 9):                      # a: 7 of 10
+        raw_sender.send(ga[k])
+    raw_sender.settle(until_udp=7)
+    raw_sender.send(band_mark(key, 0, 1, 7))
+    (done, entries), = raw_sender.messages()
+    assert not done and set(entries) == {700}            # b (nothing of it sent yet) not named
+    assert entries[700][0] == 7 and entries[700][1].tolist() == [3, 6, 8]
+    assert receiver.control_counts.get(MSG_END, 0) == 0
+    raw_sender.send(ga[3])                               # the resend: a reaches its bound
+    for g in gb:
+        raw_sender.send(g)
+    raw_sender.send(band_mark(key, 1, 1, 18))
+    assert [done for done, _ in raw_sender.messages()] == [True]
+    assert receiver.wait(700, 5).retx_requests == 1 and receiver.wait(701, 5).retx_requests == 0
+
+
+def test_late_band_is_waited_for_not_asked():
+    """END arrives while the back band is still queued (strict priority serves it last):
+    nothing is asked for it; its data and marker then complete the iteration."""
+    with DlcpReceiver(report_period_s=0.001, stop_drain_s=2.0) as r:
+        raw = RawSender(r)
+        try:
+            a, b = grad(100, 42), grad(100, 43)
+            key = raw.announce([(710, a.size, 0.2), (711, b.size, 0.2)])
+            ga, gb = raw.datagrams(710, a), raw.datagrams(711, b)
+            for g in gb:                                 # the front band overtook the back one
+                raw.send(g)
+            raw.send(band_mark(key, 1, 1, 20))
+            raw.end(key, 20)
+            raw.settle(until_udp=10)
+            assert raw.messages(0.3) == []               # a is late, not lost
+            for k in range(9):                           # a: 9 of 10, within p = 0.2
+                raw.send(ga[k])
+            raw.send(band_mark(key, 0, 1, 9))
+            assert [done for done, _ in raw.messages()] == [True]
+            assert r.wait(710, 5).retx_requests == 0 and r.statuses_sent == 1
+        finally:
+            raw.close()
+
+
+def test_early_band_is_resent_before_later_bands_finish(receiver):
+    """Backprop order: the back layer's band goes first and loses 7 of 20 segments (need 18).
+    Its STATUS comes when its marker is in, and the resends leave while the front layer's
+    band is still being sent, not after the iteration's END."""
+    back, front = grad(7000, 44), grad(350 * 300, 45)     # 20 and 300 segments
+    lost_once = lambda tid, off, length, seq, flags: (
+        tid == 720 and (off // 350) % 3 == 0 and not flags & (FLAG_RETX | FLAG_END_MARK))
+    with LossyRelay(receiver.udp_addr, dlcp_rule(lost_once)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=2e7, policy=DlcpPolicy(),
+                       bounds=LossBounds(0.1, 0.1), rate_control=False) as s:
+        stats = s.send_iteration([TensorToSend(720, back, 5), TensorToSend(721, front, 0)],
+                                 num_layers=6)
+        res = receiver.wait(720, 5), receiver.wait(721, 5)
+    assert len(relay.dropped) == 7
+    back_st, front_st = stats
+    assert (back_st.tos >> 2 != front_st.tos[0] >> 2).all()      # two bands, two sections
+    assert back_st.retx_requests == 1 and sorted(back_st.retx_lists[0]) == list(range(0, 20, 3))
+    resent = back_st.sends > 1
+    assert resent.any()
+    # every resend left before the front band's last first transmission
+    assert back_st.last_seq[resent].max() < front_st.last_seq.max()
+    assert front_st.retx_requests == 0 and back_st.stops <= 1
+    assert res[0].delivered_fraction >= 0.9 and res[1].delivered_fraction >= 0.9   # the FIN cut
+
+
+def test_loss_bound_holds_per_band(receiver):
+    """Six layers in three bands through 25% random loss of first transmissions: every
+    tensor of every band ends within its bound; only tensors below it are named."""
+    sizes = [3500, 7000, 1750, 3500, 5250, 3500]
+    with LossyRelay(receiver.udp_addr, dlcp_loss(0.25, seed=9, first_only=True)) as relay, \
+            DlcpSender(relay.address, receiver.tcp_addr, link_bps=1e8, policy=DlcpPolicy(num_bands=3),
+                       bounds=LossBounds(0.1, 0.1), retx_extra=0.25) as s:
+        tensors = [TensorToSend(730 + k, grad(n, 50 + k), 5 - k) for k, n in enumerate(sizes)]
+        stats = s.send_iteration(tensors, num_layers=6)    # back to front: bands 2, 2, 1, 1, 0, 0
+    assert len({int(st.tos[0]) >> 2 for st in stats}) == 3
+    lost = {}
+    for tid, off, flags in map(dlcp_header, relay.dropped):
+        if not flags & (FLAG_RETX | FLAG_END_MARK):
+            lost[tid] = lost.get(tid, 0) + 1
+    for t, st in zip(tensors, stats):
+        res = receiver.wait(t.tensor_id, 5)
+        assert res.delivered_fraction >= 0.9 and res.received.sum() >= res.need
+        below = lost.get(t.tensor_id, 0) > st.num_segments - res.need
+        assert (st.retx_requests >= 1) == below
+    assert any(st.retx_requests for st in stats)
+
+
+def test_lost_band_marker_is_repeated_before_end():
+    """The band's only END_MARK is lost (a full buffer): the copy sent before END brings
+    the band's STATUS, without waiting out the receiver's idle clock (5 s here)."""
+    x = grad(35_000, 46)                                 # 100 segments, p = 0.1: need 90
+    markers_seen = []
+
+    def lose(tid, off, length, seq, flags):
+        if flags & FLAG_END_MARK:
+            markers_seen.append(seq)
+            return len(markers_seen) == 1                # the first marker only
+        return (off // 350) % 5 == 0 and not flags & FLAG_RETX     # 20 of 100 segments
+    with DlcpReceiver(report_period_s=0.001, stop_drain_s=5.0) as r, \
+            LossyRelay(r.udp_addr, dlcp_rule(lose)) as relay, \
+            DlcpSender(relay.address, r.tcp_addr, link_bps=None, bounds=LossBounds(0.1, 0.1)) as s:
+        t = time.monotonic()
+        st = s.send_tensor(740, x)
+        elapsed = time.monotonic() - t
+        res = r.wait(740, 5)
+    assert len(relay.dropped) == 21 and markers_seen[0] == markers_seen[1]
+    assert st.retx_requests >= 1 and res.delivered_fraction >= 0.9
+    assert elapsed < 2.0                                 # not the 5 s idle clock

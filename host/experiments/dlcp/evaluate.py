@@ -10,8 +10,9 @@ with the PS-facing port rate-limited (the incast bottleneck). This kernel has no
 is the switch. Every scheme crosses the same switch:
 
 * ``dlcp``: the bounded-loss transport, DlcpPolicy marks (band DSCP + ECT/Not-ECT), one
-  ANNOUNCE and one END/STATUS exchange per iteration, the rate controller carried across
-  tensors and iterations (with its ECN echo), deficit-only resends.
+  ANNOUNCE per iteration and a STATUS per band as soon as that band has passed (its
+  END_MARK), the rate controller carried across tensors and iterations (with its ECN
+  echo), deficit-only resends.
 * ``udp_timer``: the same UDP data path with p = 0, no marks (DSCP 0), no rate control,
   and timeout-driven recovery (wait ``rto`` for STATUS(done), then ask for the missing).
 * ``tcp``: kernel TCP (one connection per worker, DSCP 0), route ``rto_min`` = ``rto``;
@@ -199,9 +200,9 @@ def run_worker(args) -> None:
 
     TCP sends one tensor after the other, each answered by a 1-byte ack. The UDP schemes
     hand the whole iteration to the transport (one ANNOUNCE, the data of every layer back
-    to back, one END/STATUS exchange); a tensor's completion is then measured from its
-    first datagram to the receiver's time of reaching the bound (one monotonic clock: the
-    namespaces share the host's).
+    to back, a STATUS per band that lost more than its bound); a tensor's completion is
+    then measured from its first datagram to the receiver's time of reaching the bound
+    (one monotonic clock: the namespaces share the host's).
     """
     sizes = scaled_sizes(args.scale)
     link_bps = args.rate * FRAME_BYTES * 8           # host links as fast as the bottleneck
@@ -418,7 +419,7 @@ def plot(results: dict, args, img_dir: Path) -> list[str]:
     ax.set_title(f"ResNet-50 incast, {args.workers} workers (E1)")
     ax.legend()
     fig.tight_layout()
-    paths.append(str(img_dir / "dlcp_tct_cdf.png"))
+    paths.append(str(img_dir / f"dlcp_tct_cdf{args.img_suffix}.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -434,7 +435,7 @@ def plot(results: dict, args, img_dir: Path) -> list[str]:
     ax.set_title("tail completion by layer band")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(str(img_dir / "dlcp_tct_by_band.png"))
+    paths.append(str(img_dir / f"dlcp_tct_by_band{args.img_suffix}.png"))
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
     dl = results.get("dlcp")
@@ -449,7 +450,7 @@ def plot(results: dict, args, img_dir: Path) -> list[str]:
         a2.set_ylabel("important (ECT) share (%)")
         a2.set_title("importance of dropped packets (E3)")
         fig.tight_layout()
-        paths.append(str(img_dir / "dlcp_bands.png"))
+        paths.append(str(img_dir / f"dlcp_bands{args.img_suffix}.png"))
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
@@ -500,6 +501,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="E1's small margin over the ideal iteration time (a fraction)")
     ap.add_argument("--json", help="write the summary here")
     ap.add_argument("--img-dir", default="docs/img")
+    ap.add_argument("--img-suffix", default="",
+                    help="appended to the figure names (e.g. _small_buffer, so a second "
+                         "configuration does not overwrite the default's figures)")
     ap.add_argument("--raw-dir", help="keep the per-process outputs here")
     # role-internal
     ap.add_argument("--worker", type=int, default=0)
