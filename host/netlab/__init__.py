@@ -12,7 +12,7 @@ What lives where:
 * `aggregators`: starting and stopping the reference UDP service and the DPDK switch as
   processes (in a topology's switch namespace or on a Mininet host);
 * `shaped_links`: workers and an aggregator on a shaped topology (bench_allreduce, main_job);
-* `dpdk_bottleneck`: probe traffic, capture and the docs/protocol.md §6 oracle for a live
+* `dlcp_probes`: probe traffic, capture and the docs/protocol.md §6 oracle for a live
   DLCP bottleneck on a routed topology;
 * `testbed/`: the Mininet testbed (CLI: `python -m host.experiments.testbed`); its worker
   uses host.transport.AggregatorTransport.

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.config import CONTROL_DSCP, Dlcp, band_to_dscp, default_thresholds
-from host.netlab.dpdk_bottleneck import (Capture, ECN_CE, Probe, expected_paused,
+from host.netlab.dlcp_probes import (Capture, ECN_CE, Probe, expected_paused,
                                          live_switch_skip_reason, open_sender, send_probes,
                                          verdict_counts)
 from host.netlab.links import NetnsError

@@ -22,7 +22,7 @@ import thc
 from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
 from host.dlcp.marking import DlcpPolicy, partition_importance
 from host.experiments.dlcp.innetwork_incast import AGG_UDP_PORT, WORKER_UDP_PORT
-from host.netlab.dpdk_bottleneck import live_switch_skip_reason
+from host.netlab.dlcp_probes import live_switch_skip_reason
 from host.netlab.links import NetnsError, in_netns
 from host.netlab.topology import Topology
 

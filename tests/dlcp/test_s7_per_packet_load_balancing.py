@@ -21,7 +21,7 @@ import pytest
 
 from dataplane.config import Dlcp, Route, SwitchConfig
 from dataplane.reference import ReferenceSwitch
-from host.netlab.dpdk_bottleneck import (Capture, PROBE_PORT, Probe, live_switch_skip_reason,
+from host.netlab.dlcp_probes import (Capture, PROBE_PORT, Probe, live_switch_skip_reason,
                                          open_sender, send_probes)
 from host.netlab.links import NetnsError
 from host.netlab.topology import Topology

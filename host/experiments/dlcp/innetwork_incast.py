@@ -43,7 +43,7 @@ from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
 from dataplane.udp_service import serve
 from host.ddp_hook import thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
-from host.netlab.dpdk_bottleneck import live_switch_skip_reason
+from host.netlab.dlcp_probes import live_switch_skip_reason
 from host.netlab.links import enter_netns, in_netns
 from host.netlab.topology import Topology
 from host.transport import default_policy
