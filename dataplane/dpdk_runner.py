@@ -329,6 +329,35 @@ class LiveSwitch:
         self.proc = None
         return stats
 
+    def stop_process(self) -> dict | None:
+        """Stop the switch process (SIGTERM) but keep its ports and links (a HostService's
+        veth pair): start_process() starts a fresh one there. Returns the stopped process's
+        final statistics (None when it wrote none)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        stats = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
+        # A new process numbers its statistics from 1 again: counters() waits for a higher
+        # number than the file holds, so the old file must go.
+        self.stats_path.unlink(missing_ok=True)
+        return stats
+
+    def start_process(self) -> None:
+        """A fresh switch process (empty slots, zeroed counters) on the existing ports."""
+        LiveSwitch.start(self)              # the process only: a subclass's start makes links
+
+    def restart(self, down_s: float = 0.0) -> dict | None:
+        """stop_process(), down_s seconds without a switch, start_process(); returns the
+        old process's final statistics."""
+        stats = self.stop_process()
+        time.sleep(down_s)
+        self.start_process()
+        return stats
+
     def __enter__(self):
         return self.start()
 
