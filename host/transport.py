@@ -688,9 +688,11 @@ class AggregatorTransport:
                            f"{expected}): they stopped contributing (crashed, killed, hung, "
                            "calling allreduce with a different tensor sequence, or sending "
                            "what the aggregator drops)" + counters)
-        return head + (f"; expected workers {expected}; the aggregator answers, so a worker "
-                       "stopped contributing (crashed, killed, calling allreduce with a "
-                       "different tensor sequence, or sending what the aggregator drops)" +
+        return head + (f"; expected workers {expected}; the aggregator answered earlier in "
+                       "this job and no answer now says which worker it lacks: it stopped or "
+                       "restarted, its link went down, or a worker stopped contributing "
+                       "(crashed, killed, calling allreduce with a different tensor sequence, "
+                       "or sending what the aggregator drops)" +
                        (f"; workers seen in completed chunks: "
                         f"{[w for w in range(32) if (seen >> w) & 1]}" if seen else "") +
                        counters)
