@@ -315,8 +315,8 @@ class LiveSwitch:
         except FileNotFoundError:
             return 0
 
-    def stop(self) -> dict | None:
-        """SIGTERM; the final statistics (None when it never wrote any)."""
+    def _end_process(self) -> dict | None:
+        """SIGTERM (SIGKILL after 20 s); the process's final statistics (None: it wrote none)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -324,7 +324,11 @@ class LiveSwitch:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        stats = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
+        return json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
+
+    def stop(self) -> dict | None:
+        """SIGTERM; the final statistics (None when it never wrote any)."""
+        stats = self._end_process()
         self._tmp.cleanup()
         self.proc = None
         return stats
@@ -333,14 +337,7 @@ class LiveSwitch:
         """Stop the switch process (SIGTERM) but keep its ports and links (a HostService's
         veth pair): start_process() starts a fresh one there. Returns the stopped process's
         final statistics (None when it wrote none)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        stats = json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
+        stats = self._end_process()
         # A new process numbers its statistics from 1 again: counters() waits for a higher
         # number than the file holds, so the old file must go.
         self.stats_path.unlink(missing_ok=True)

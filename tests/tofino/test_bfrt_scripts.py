@@ -366,13 +366,18 @@ print("stand-in writes:", len(bfrt.log))
 """
 
 
-def test_deploy_runs_the_script_through_bfshell(tmp_path):
+def fake_sde(tmp_path):
+    """An SDE folder whose run_bfshell.sh runs the script on the stand-in: (the job
+    description, the job file to write, the environment that points at both)."""
     runner = tmp_path / "run_bfshell.sh"
     runner.write_text(FAKE_BFSHELL.format(python=sys.executable, root=str(deploy.REPO_ROOT)))
     runner.chmod(0o755)
-    good = config().save(tmp_path / "good.json")
-    job_file = tmp_path / "job.json"
     env = dict(os.environ, SDE=str(tmp_path), PYTHONPATH=str(deploy.REPO_ROOT))
+    return config().save(tmp_path / "good.json"), tmp_path / "job.json", env
+
+
+def test_deploy_runs_the_script_through_bfshell(tmp_path):
+    good, job_file, env = fake_sde(tmp_path)
     run = subprocess.run([sys.executable, "-m", "bfrt_scripts.deploy", "--config", str(good),
                           "--job-file", str(job_file), "--counters"],
                          capture_output=True, text=True, cwd=deploy.REPO_ROOT, env=env,
@@ -565,12 +570,7 @@ def test_setup_script_reports_any_failure_in_one_line(tmp_path):
 
 
 def test_deploy_remove_runs_the_teardown_through_bfshell(tmp_path):
-    runner = tmp_path / "run_bfshell.sh"
-    runner.write_text(FAKE_BFSHELL.format(python=sys.executable, root=str(deploy.REPO_ROOT)))
-    runner.chmod(0o755)
-    good = config().save(tmp_path / "good.json")
-    job_file = tmp_path / "job.json"
-    env = dict(os.environ, SDE=str(tmp_path), PYTHONPATH=str(deploy.REPO_ROOT))
+    good, job_file, env = fake_sde(tmp_path)
     run = subprocess.run([sys.executable, "-m", "bfrt_scripts.deploy", "--config", str(good),
                           "--job-file", str(job_file), "--remove",
                           "--drop-report-port", "30"],
