@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from bfrt_scripts.tofino_plan import (
     C_DLCP, C_GLOBAL, C_JOB, COPY_REGISTERS, GLOBAL_COUNTER_CELLS_SIZE, INDEX_BYTES, MAX_JOBS,
-    NUM_QUEUES, SLOT_REGISTERS, T_AGG_LENGTHS, T_CONTRIBUTOR_BITS, T_DROP_REPORTING, T_DSCP,
+    NUM_QUEUES, PORT_MTU, SLOT_REGISTERS, T_AGG_LENGTHS, T_CONTRIBUTOR_BITS, T_DROP_REPORTING, T_DSCP,
     T_EXPECTED_BITS, T_EXPECTED_IN_JOB, T_EXPECTED_TOO_FEW, T_JOBS, T_MEMBER_ADDRESSES,
     T_MEMBERS, T_NEXT_HOPS, T_QUEUE_THRESHOLDS, T_ROUTES, T_SWITCH_ADDRESS, YELLOW_STEPS,
     DefaultEntry, DeployOptions, Lpm, Range, TableEntry, Ternary, TofinoPlan,
@@ -491,7 +491,8 @@ class TrafficManager:
 
 
 class Ports:
-    """Port bring-up (port.port), when the deployment asks for it."""
+    """Port bring-up (port.port), when the deployment asks for it, with the frame limit
+    of protocol.md §4.1 in the MAC; the MACs' count of longer frames (port.port_stat)."""
 
     def __init__(self, writer: BfrtWriter):
         self.writer = writer
@@ -499,8 +500,21 @@ class Ports:
     def install(self, plan: TofinoPlan) -> None:
         for p in plan.ports:
             self.writer.ensure("port.port", {"DEV_PORT": p.dev_port},
-                               {"SPEED": p.speed, "FEC": p.fec, "PORT_ENABLE": True},
+                               {"SPEED": p.speed, "FEC": p.fec, "PORT_ENABLE": True,
+                                "RX_MTU": PORT_MTU, "TX_MTU": PORT_MTU},
                                in_program=False)
+
+    def frames_too_long(self, plan: TofinoPlan) -> int | None:
+        """drop_oversize: $FrameTooLong summed over the program's ports; None when a
+        port's statistics cannot be read (not brought up, or planning offline)."""
+        total = 0
+        for dev_port in plan.frame_ports:
+            raw = self.writer.read("port.port_stat", {"DEV_PORT": dev_port}, in_program=False)
+            value = None if raw is None else _field(raw["data"], "FrameTooLong")
+            if value is None:
+                return None
+            total += as_int(value)
+        return total
 
 
 def jobs_on_switch(jobs_table: dict) -> dict[int, dict[str, int]]:
@@ -594,7 +608,8 @@ class ThcInaSwitch:
         job_cells, global_cells = self.ingress.read_counters(plan)
         dlcp = next(c for c in self.controls if isinstance(c, DlcpAdmission))
         return counters_from_cells(plan.layouts, job_cells, global_cells, dlcp.read_counters(),
-                                   drops_reported=plan.drops_reported)
+                                   drops_reported=plan.drops_reported,
+                                   frames_too_long=self.ports.frames_too_long(plan))
 
     def summary(self) -> str:
         w = self.writer

@@ -24,8 +24,8 @@ from dataplane import job_plan
 from dataplane.config import MAX_WORKERS, NUM_QUEUES, ConfigError, Job, SwitchConfig
 from dataplane.job_plan import (JobLayout, check_job_capacity, job_layouts, jobs_in_order,
                                 lane_pairs, members_in_order, next_hop_bases, switch_ports)
-from dataplane.wire import (AGG_FRAME_OVERHEAD, HEADER_LEN, IPV4_LEN, TYPE_DATA, TYPE_FLUSH,
-                            UDP_LEN, payload_len)
+from dataplane.wire import (AGG_FRAME_OVERHEAD, HEADER_LEN, IPV4_LEN, MAX_FRAME, TYPE_DATA,
+                            TYPE_FLUSH, UDP_LEN, payload_len)
 
 # ---- resource limits of p4src/tna (headers.p4, counters.p4); keep in step with the P4 ----
 TOFINO_MAX_VALUES = 64          # values per packet in one pass (MAX_VALUES)
@@ -36,6 +36,9 @@ SLOT_BUDGET = 8192              # slots of all jobs together (two copies each)
 MAX_ROUTES = 1024
 NEXT_HOP_SLOTS = 8192
 GLOBAL_COUNTER_CELLS_SIZE = 16
+# The MAC takes frames of at most MAX_FRAME bytes (protocol.md §4.1; $RX_MTU counts the
+# 4-byte FCS) and counts longer ones as $FrameTooLong: the program's drop_oversize.
+PORT_MTU = MAX_FRAME + 4
 MAX_DEV_PORT = 511
 QUEUE_DEPTH_MAX_CELLS = (1 << 19) - 1   # enq_qdepth is 19 bits (cells)
 MARK_CELLS_MAX = (1 << 31) - 1          # K - enq_qdepth keeps its sign (dlcp.p4)
@@ -249,6 +252,7 @@ class TofinoPlan:
     ports: list[PortSetting] = field(default_factory=list)
     drop_report_ports: dict[int, int] = field(default_factory=dict)   # pipe -> dev_port
     cells_per_packet: int = 1
+    frame_ports: tuple[int, ...] = ()       # dev_ports the program takes frames on
 
     @property
     def drops_reported(self) -> bool:
@@ -525,6 +529,7 @@ def plan_switch(config: SwitchConfig, options: DeployOptions | None = None) -> T
         plan.groups.append(group)
     plan.entries += validation_entries()
     ports = used_ports(config, options)
+    plan.frame_ports = tuple(sorted(set(ports)))
     dlcp_entries, plan.queues, plan.cells_per_packet = dlcp_plan(config, options, ports)
     plan.entries += dlcp_entries
     plan.entries += route_entries(config, options)
@@ -539,13 +544,17 @@ def plan_switch(config: SwitchConfig, options: DeployOptions | None = None) -> T
 # --------------------------------------------------------------------------- counters
 def counters_from_cells(layouts: dict[int, JobLayout], job_cells: dict[int, int],
                         global_cells: dict[int, int], dlcp_cells: dict[int, int],
-                        drops_reported: bool = True) -> dict:
+                        drops_reported: bool = True,
+                        frames_too_long: int | None = None) -> dict:
     """Counter cells read from the switch -> the {"global", "jobs"} dict of protocol 4.5.
 
     Without a drop-report port the TM's drops are not seen by the program: the two DLCP
-    drop counters are then None (unknown), never a number that looks measured."""
+    drop counters are then None (unknown), never a number that looks measured. Likewise
+    drop_oversize is the MACs' $FrameTooLong over the program's ports (`frames_too_long`),
+    None where those could not be read."""
     job_parts = {name: tuple(JOB_CELLS[c] for c in parts) for name, parts in JOB_NAMES.items()}
     out = job_plan.counters_from_cells(layouts, job_parts, job_cells, global_cells, dlcp_cells)
     if not drops_reported:
         out["global"]["dlcp_selective_drop"] = out["global"]["dlcp_buffer_drop"] = None
+    out["global"]["drop_oversize"] = frames_too_long
     return out

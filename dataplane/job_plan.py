@@ -27,6 +27,7 @@ JOB_COUNTER_STRIDE = 16        # counter cells per job (JOB_COUNTER_STRIDE in co
 GLOBAL_COUNTER_CELLS = {
     "drop_truncated": 0, "drop_bad_version": 1, "drop_bad_type": 2, "drop_bad_length": 3,
     "drop_unknown_job": 4, "drop_not_routable": 5, "forwarded": 6, "drop_fragment": 7,
+    "drop_oversize": 8,       # the Tofino program leaves it to the MAC (bfrt_controls.py)
 }
 DLCP_COUNTER_CELLS = {"dlcp_selective_drop": 0, "dlcp_buffer_drop": 1, "dlcp_ce_marked": 2}
 

@@ -28,8 +28,8 @@ import numpy as np
 from dataplane.config import (MAX_VALUES, NUM_QUEUES, PROTOCOL_VERSION, Job, Member,
                               SwitchConfig)
 from dataplane.wire import (AGG_PORT_BASE, AGG_PORT_MASK, FLAG_LATE, FLAG_RESERVE, HEADER_LEN,
-                            HEADER_STRUCT, L2L4_LEN, TYPE_DATA, TYPE_FLUSH, TYPE_RESULT,
-                            TYPE_STRAGGLER, payload_len)
+                            HEADER_STRUCT, L2L4_LEN, MAX_FRAME, TYPE_DATA, TYPE_FLUSH,
+                            TYPE_RESULT, TYPE_STRAGGLER, payload_len)
 
 MAX_SLOTS = 65536              # slots per job (§8); MAX_VALUES (8192) comes with the config
 
@@ -40,8 +40,8 @@ ROUND_MOD, ROUND_HALF = 1 << 32, 1 << 31
 JOB_COUNTERS = ("rx", "aggregated", "results_multicast", "results_reserved",
                 "straggler_notices", "flushes", "drop_bad_slot", "drop_not_member",
                 "drop_bad_expected", "drop_unsatisfiable", "drop_duplicate")
-GLOBAL_COUNTERS = ("drop_fragment", "drop_truncated", "drop_bad_version", "drop_bad_type",
-                   "drop_bad_length", "drop_unknown_job", "drop_not_routable",
+GLOBAL_COUNTERS = ("drop_oversize", "drop_fragment", "drop_truncated", "drop_bad_version",
+                   "drop_bad_type", "drop_bad_length", "drop_unknown_job", "drop_not_routable",
                    "dlcp_selective_drop", "dlcp_buffer_drop", "dlcp_ce_marked", "forwarded")
 
 
@@ -223,6 +223,9 @@ class ReferenceSwitch:
     def ingress(self, port: int, frame: bytes) -> list[tuple[int, bytes]]:
         """Parse, validate and act on one frame; the frames it causes, before DLCP."""
         frame = bytes(frame)
+        if len(frame) > MAX_FRAME:
+            self.count_oversize()
+            return []
         if self._is_ipv4(frame) and int.from_bytes(frame[20:22], "big") & (IP_MF | IP_FRAG_OFFSET):
             if self._fragment_for_aggregator(frame):
                 self.global_counters["drop_fragment"] += 1
@@ -290,6 +293,10 @@ class ReferenceSwitch:
         return []
 
     # ------------------------------------------------------------------ aggregation (§4)
+    def count_oversize(self) -> None:
+        """A frame (or, for the UDP service, a datagram) above MAX_FRAME: dropped (§4.1)."""
+        self.global_counters["drop_oversize"] += 1
+
     def handle_agg(self, port: int, data, udp_payload_len: int, l34_ok: bool, tos: int,
                    source: tuple[str, int] | None = None) -> list[Reply]:
         """The AGG header + payload of one packet in on `port`: the replies it causes.

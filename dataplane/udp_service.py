@@ -10,7 +10,8 @@ code the packet suite checks). Differences from a switch, all forced by the sock
   datagram must come from exactly that address (the MAC is the kernel's). Every member
   counts as attached to switch port 0 (the `port` field of the config is ignored).
 * IPv4 fragments are the kernel's: it reassembles them before the socket sees a datagram,
-  so `drop_fragment` stays 0 here.
+  so `drop_fragment` stays 0 here; a datagram whose frame would exceed the 9216 bytes
+  every plane takes (above 9174 bytes) is `drop_oversize`, as on a switch.
 * Results and notices go to each member's `(ip, udp_port)` with `sendto`, from the
   service's own address; no DLCP stage (the kernel queues), no ordinary forwarding.
 * The drop counters of docs/protocol.md §4.5 are kept; `drop_truncated` and
@@ -39,11 +40,14 @@ import time
 
 from dataplane.config import MAX_VALUES, ConfigError, SwitchConfig
 from dataplane.reference import ReferenceSwitch
-from dataplane.wire import AGG_PORT_BASE
+from dataplane.wire import AGG_PORT_BASE, L2L4_LEN, MAX_FRAME
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = AGG_PORT_BASE
 RECV_BUFFER = 1 << 16
+# The longest datagram whose frame (Ethernet/IPv4/UDP around it) a switch would take
+# (docs/protocol.md §8); a longer one is drop_oversize.
+MAX_DATAGRAM = MAX_FRAME - L2L4_LEN
 SOCKET_BUFFER = 8 << 20        # kernel buffers: absorb bursts of a whole tensor
 
 
@@ -84,12 +88,16 @@ class UdpAggregator:
         recv_into = self.sock.recvfrom_into
         sendto = self.sock.sendto
         handle = self.switch.handle_agg
+        oversize = self.switch.count_oversize
         stats = self.stats
         while True:
             n, source = recv_into(buf)
             if self._stopping:
                 break
             stats["rx_datagrams"] += 1
+            if n > MAX_DATAGRAM:
+                oversize()
+                continue
             for reply in handle(0, view[:n], n, True, 0, source):
                 m = reply.member
                 try:

@@ -34,6 +34,9 @@ ETH_LEN = 14
 IPV4_LEN = 20                  # no options: IHL 5
 UDP_LEN = 8
 L2L4_LEN = ETH_LEN + IPV4_LEN + UDP_LEN      # 42: everything before the AGG header
+# The longest frame any plane takes (Ethernet header to the last byte, no FCS); a longer
+# one is dropped first and counted drop_oversize (§4.1).
+MAX_FRAME = 9216
 
 # The AGG header (§2): (name, bytes) in wire order, every field big-endian. `ver_type`
 # is one byte of two nibbles: version (high) and packet type (low).

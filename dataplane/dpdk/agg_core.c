@@ -762,6 +762,10 @@ void agg_prefetch(const struct agg_switch *sw, const uint8_t *frame, uint32_t le
 enum agg_verdict agg_process(struct agg_switch *sw, uint16_t in_port, uint8_t *frame,
 			     uint32_t len, const struct agg_emitter *em, uint16_t *out_port)
 {
+	if (len > AGG_MAX_WIRE_FRAME) {
+		sw->g.drop_oversize++;
+		return AGG_CONSUMED;
+	}
 	if (is_ipv4_fragment(frame, len)) {
 		if (fragment_for_aggregator(sw, frame, len)) {
 			sw->g.drop_fragment++;

@@ -39,6 +39,8 @@
 #define AGG_L2L4_LEN       (ETH_HLEN_ + IPV4_HLEN_ + UDP_HLEN_)   /* 42 */
 #define AGG_MIN_FRAME      (AGG_L2L4_LEN + AGG_HEADER_LEN)        /* 74 */
 #define AGG_MAX_FRAME      (AGG_MIN_FRAME + AGG_MAX_VALUES)       /* 8266: the largest RESULT */
+/* MAX_FRAME of docs/protocol.md §4.1: a longer frame is dropped first (drop_oversize). */
+#define AGG_MAX_WIRE_FRAME 9216u
 
 /* Per-job counters, docs/protocol.md §4.5 (names match the JSON keys). */
 #define AGG_JOB_COUNTERS(X) \
@@ -48,7 +50,7 @@
 
 /* Global counters, docs/protocol.md §4.5. */
 #define AGG_GLOBAL_COUNTERS(X) \
-	X(drop_fragment) X(drop_truncated) X(drop_bad_version) X(drop_bad_type) \
+	X(drop_oversize) X(drop_fragment) X(drop_truncated) X(drop_bad_version) X(drop_bad_type) \
 	X(drop_bad_length) X(drop_unknown_job) X(drop_not_routable) \
 	X(dlcp_selective_drop) X(dlcp_buffer_drop) X(dlcp_ce_marked) X(forwarded)
 

@@ -240,7 +240,7 @@ static uint16_t rx_port(struct app *a, uint16_t p, struct rte_mbuf **pkts, uint1
 	struct port_state *ps = &a->ports[p];
 	uint16_t n = rte_eth_rx_burst(p, 0, pkts, BURST_SIZE), kept = 0;
 	for (uint16_t i = 0; i < n; i++) {
-		if (!rx_fits(ps, pkts[i]))
+		if (!rx_fits(a, ps, pkts[i]))
 			continue;
 		pkts[kept] = pkts[i];
 		in_port[kept++] = p;

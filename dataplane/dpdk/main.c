@@ -83,9 +83,11 @@ void write_stats(struct app *a)
 			"%s\"%u\": {\"rx\": %" PRIu64 ", \"tx\": %" PRIu64 ", \"tx_dropped\": %" PRIu64
 			", \"tx_nombuf\": %" PRIu64 ", \"queued\": %u, \"rx_oversize\": %" PRIu64
 			", \"tx_oversize\": %" PRIu64 ", \"rx_missed\": %" PRIu64 ", \"rx_errors\": %" PRIu64
-			", \"rx_nombuf\": %" PRIu64 ", \"rx_max\": %u, \"tx_max\": %u}", p ? ", " : "", p,
+			", \"rx_nombuf\": %" PRIu64 ", \"rx_max\": %u, \"tx_max\": %u"
+			", \"rx_flushed\": %" PRIu64 "}", p ? ", " : "", p,
 			ps->rx, ps->tx, ps->tx_dropped, ps->tx_nombuf, ps->dlcp.queued, ps->rx_oversize,
-			ps->tx_oversize, es.imissed, es.ierrors, es.rx_nombuf, ps->rx_max, ps->tx_max);
+			ps->tx_oversize, es.imissed, es.ierrors, es.rx_nombuf, ps->rx_max, ps->tx_max,
+			ps->rx_flushed);
 	}
 	if (n < sizeof(extra))
 		snprintf(extra + n, sizeof(extra) - n, "}");

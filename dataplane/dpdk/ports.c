@@ -25,9 +25,9 @@
 #define RX_DESC         1024
 #define TX_DESC         1024
 
-/* The longest frame the switch receives or sends: a 9000-byte MTU plus Ethernet
- * and VLAN headers, with room (protocol v2, R7: an 8192-value RESULT is 8266 bytes). */
-#define MAX_FRAME       9216u
+/* The longest frame the switch receives or sends (docs/protocol.md §8): a 9000-byte
+ * MTU plus Ethernet and VLAN headers, with room (an 8192-value RESULT is 8266 bytes). */
+#define MAX_FRAME       AGG_MAX_WIRE_FRAME
 /* af_packet (TPACKET_V2) puts an Ethernet frame 66 bytes into a ring frame of
  * framesz bytes and cuts what does not fit without saying so: only frames
  * shorter than framesz - 66 are known to be whole. It sends up to framesz - 32. */
@@ -99,6 +99,22 @@ int port_configure(struct app *a, uint16_t port)
 	return 0;
 }
 
+/* An af_packet socket is made for every interface (ETH_P_ALL) and bound to its own
+ * only later, so it can hold frames of other interfaces (loopback traffic on a busy
+ * machine) from before the port started: they never came in on this port, so they
+ * are dropped here, before any counter sees them, and reported as rx_flushed. */
+static uint64_t flush_rx(uint16_t port)
+{
+	struct rte_mbuf *pkts[BURST_SIZE];
+	uint64_t flushed = 0;
+	uint16_t n;
+	while ((n = rte_eth_rx_burst(port, 0, pkts, BURST_SIZE)) > 0) {
+		rte_pktmbuf_free_bulk(pkts, n);
+		flushed += n;
+	}
+	return flushed;
+}
+
 int port_start(struct app *a, uint16_t port)
 {
 	struct port_state *ps = &a->ports[port];
@@ -117,5 +133,7 @@ int port_start(struct app *a, uint16_t port)
 	if ((rc = rte_eth_dev_start(port)) < 0)
 		return rc;
 	rte_eth_promiscuous_enable(port);   /* not every PMD supports it; fine */
+	if (ps->is_af_packet)
+		ps->rx_flushed = flush_rx(port);
 	return 0;
 }

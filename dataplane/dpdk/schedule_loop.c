@@ -57,7 +57,7 @@ int schedule_loop(struct app *a)
 			fclose(f);
 			return -1;
 		}
-		if (rx_fits(&a->ports[p], m))
+		if (rx_fits(a, &a->ports[p], m))
 			process_packet(a, m, (uint16_t)p);
 		service_ports(a);
 		if (dump_stats) {

@@ -50,6 +50,7 @@ struct port_state {
 	double tokens;
 	uint64_t last_tsc;
 	uint64_t rx, tx, tx_dropped, tx_nombuf, rx_oversize, tx_oversize;
+	uint64_t rx_flushed;    /* af_packet: frames in the ring before the port started */
 	uint32_t rx_max;        /* longest frame this port delivers known whole */
 	uint32_t tx_max;        /* longest frame this port can send */
 	uint16_t nb_rxd, nb_txd;
@@ -129,13 +130,16 @@ extern volatile bool force_quit;     /* SIGINT/SIGTERM: every loop ends */
 extern volatile bool dump_stats;     /* SIGUSR1: write the statistics now */
 
 /* Whether a received frame may go on: one the port may have cut (or that is
- * longer than the switch handles) is dropped and counted, never forwarded cut. A
- * frame of at most rx_max bytes is one segment (MBUF_ROOM). */
-static inline bool rx_fits(struct port_state *ps, struct rte_mbuf *m)
+ * longer than the switch handles) is dropped and counted, never forwarded cut:
+ * drop_oversize for the protocol (docs/protocol.md §4.1, §8), rx_oversize for the
+ * port. A frame of at most rx_max bytes is one segment (MBUF_ROOM). */
+static inline bool rx_fits(struct app *a, struct port_state *ps, struct rte_mbuf *m)
 {
 	if (likely(rte_pktmbuf_pkt_len(m) <= ps->rx_max))
 		return true;
+	ps->rx++;                 /* a frame received, like every other (§4.5's balance) */
 	ps->rx_oversize++;
+	a->sw.g.drop_oversize++;
 	rte_pktmbuf_free(m);
 	return false;
 }

@@ -39,6 +39,10 @@ const bit<8> GC_DROP_UNKNOWN_JOB  = 4;
 const bit<8> GC_DROP_NOT_ROUTABLE = 5;
 const bit<8> GC_FORWARDED         = 6;
 const bit<8> GC_DROP_FRAGMENT     = 7;
+/* drop_oversize: the ingress cannot see a frame's length, so this cell stays 0 here; the
+ * ports' MACs drop frames over 9216 bytes ($RX_MTU set by bfrt_scripts) and the control
+ * plane reads their $FrameTooLong count as drop_oversize (protocol.md 8). */
+const bit<8> GC_DROP_OVERSIZE     = 8;
 
 /* Egress DLCP cells (dlcp.p4: DlcpAdmission.dlcp_counters). */
 const bit<2> DC_SELECTIVE_DROP = 0;

@@ -5,7 +5,7 @@
 #define _THC_INA_COUNTERS_P4_
 
 #define JOB_COUNTER_STRIDE 16       /* counter cells per job */
-#define GLOBAL_COUNTER_CELLS 8
+#define GLOBAL_COUNTER_CELLS 9
 
 /* Per-job counter cells: job_index * JOB_COUNTER_STRIDE + JC_*; names as protocol.md 4.5. */
 const bit<32> JC_RX                = 0;
@@ -29,6 +29,7 @@ const bit<32> GC_DROP_UNKNOWN_JOB  = 4;
 const bit<32> GC_DROP_NOT_ROUTABLE = 5;
 const bit<32> GC_FORWARDED         = 6;
 const bit<32> GC_DROP_FRAGMENT     = 7;
+const bit<32> GC_DROP_OVERSIZE     = 8;
 
 /* Egress DLCP counter cells (dlcp.p4: DlcpAdmission.dlcp_counters). */
 const bit<32> DC_SELECTIVE_DROP = 0;

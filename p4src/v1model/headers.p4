@@ -5,6 +5,7 @@
 
 /* ---- resource limits of this target (p4src/v1model/README.md) ---- */
 #define MAX_VALUES      64          /* values per packet (protocol.md section 8) */
+#define MAX_FRAME       9216        /* longest frame taken; longer: drop_oversize (4.1) */
 #define INDEX_BYTES     32          /* MAX_VALUES / 2 packed 4-bit indices */
 #define SUM_WORDS       8           /* MAX_VALUES / 8: sums live in 64-bit words of 8 lanes */
 #define MAX_JOBS        16

@@ -64,6 +64,11 @@ control SwitchIngress(inout headers_t hdr,
         meta.is_multicast = 0;
         meta.ipv4_changed = 0;
         meta.out_payload_len = 0;
+        /* ---- protocol.md 4.1 row 1: a frame over MAX_FRAME, whatever it carries ---- */
+        if (standard_metadata.packet_length > MAX_FRAME) {
+            drop_global(GC_DROP_OVERSIZE);
+            return;
+        }
         dlcp_classify.apply(hdr, meta, standard_metadata);
 
         /* ---- protocol.md 4.1: fragments first (right after "is it IPv4") ---- */

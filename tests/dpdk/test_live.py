@@ -181,7 +181,12 @@ def test_jumbo_frames_are_forwarded_whole_and_longer_ones_dropped_and_counted(
     for want, got in zip((sent[0], sent[3]), out):
         assert got[12:] == want[12:]
     assert stats["ports"]["0"]["rx_oversize"] == 2
+    # The protocol's counter (docs/protocol.md §4.1), and every frame in one counter.
+    assert stats["global"]["drop_oversize"] == 2
     assert stats["global"]["forwarded"] == 2
+    counted = sum(v for k, v in stats["global"].items()
+                  if k == "forwarded" or k.startswith("drop_"))
+    assert sum(p["rx"] for p in stats["ports"].values()) == counted
 
 
 def test_default_af_packet_rings_never_forward_a_cut_frame(switch_bin, veths, host_socks):
@@ -196,6 +201,8 @@ def test_default_af_packet_rings_never_forward_a_cut_frame(switch_bin, veths, ho
         stats = switch.counters()
     assert [len(f) for f in out] == [1500]
     assert stats["ports"]["0"]["rx_oversize"] == 1 and stats["ports"]["0"]["rx_max"] == 1981
+    # A frame the port could only take cut is the protocol's drop_oversize (§8).
+    assert stats["global"]["drop_oversize"] == 1 and stats["global"]["forwarded"] == 1
 
 
 def test_fragments_reach_the_switch_as_they_are(switch_bin, veths, host_socks):
@@ -225,7 +232,7 @@ def test_fragments_reach_the_switch_as_they_are(switch_bin, veths, host_socks):
         stats = switch.counters()
     assert [bytes(f[14:]) for f in out] == [bytes(ip) for ip in [*pieces, lone]]
     assert all(f[:6] == bytes.fromhex(HOP_MAC.replace(":", "")) for f in out)
-    assert stats["ports"]["0"]["rx"] == len(pieces) + 1 + len(data_pieces)
+    assert stats["ports"]["0"]["rx"] == len(pieces) + 1 + len(data_pieces), stats["global"]
     assert stats["jobs"]["1"]["aggregated"] == 0
     if "drop_fragment" in stats["global"]:          # protocol v2, R4
         assert stats["global"]["drop_fragment"] == len(data_pieces)

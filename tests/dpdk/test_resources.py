@@ -61,7 +61,8 @@ def ordinary(size: int, dst: str = "10.2.0.9") -> bytes:
 def test_jumbo_frames_pass_whole_and_longer_ones_are_dropped_and_counted():
     """pcap ports: ordinary frames of 4000 and 9216 bytes (MTU 9000 with room) leave
     whole, next-hop MACs rewritten; 9217- and 12000-byte frames are dropped and counted
-    rx_oversize, not forwarded (the old switch forwarded any length)."""
+    drop_oversize (docs/protocol.md §4.1) and rx_oversize on their port, not forwarded
+    (the old switch forwarded any length)."""
     cfg = streams.config(n_workers=2, routes=streams.routes())
     frames = [ordinary(n) for n in (4000, 9217, 9216, 12000)]
     out, stats = run_pcap(cfg, [[(0, f) for f in frames]], num_ports=6)
@@ -69,4 +70,5 @@ def test_jumbo_frames_pass_whole_and_longer_ones_are_dropped_and_counted():
     for sent, got in zip((frames[0], frames[2]), out[4]):
         assert got[:6] == bytes.fromhex("0200000000a8") and got[12:] == sent[12:]
     assert stats["ports"]["0"]["rx_oversize"] == 2
+    assert stats["global"]["drop_oversize"] == 2 and stats["ports"]["0"]["rx"] == len(frames)
     assert stats["global"]["forwarded"] == 2

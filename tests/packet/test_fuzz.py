@@ -75,8 +75,11 @@ def storm(rng, jobs):
             yield (p if rng.random() < 0.8 else port), mutate(rng, f)
         elif kind < 0.9:
             yield port, scapy_fuzzed(rng)
-        else:
+        elif kind < 0.98:
             yield port, bytes(rng.integers(0, 256, int(rng.integers(0, 120)), dtype=np.uint8))
+        else:                                  # over MAX_FRAME, padded after a valid packet
+            p, f = valid_frame(rng, jobs)[0]
+            yield p, f + bytes(int(rng.integers(9217, 12001)) - len(f))
 
 
 def accounted(counters) -> int:
@@ -105,6 +108,7 @@ def test_fuzzed_input_never_raises_and_every_frame_is_counted():
     assert c["global"]["forwarded"] > 0 and c["jobs"][1]["aggregated"] > 0
     assert sum(c["global"][k] for k in ("drop_truncated", "drop_bad_version", "drop_bad_length")) > 0
     assert c["global"]["drop_fragment"] > 0 and c["jobs"][1]["drop_unsatisfiable"] > 0
+    assert c["global"]["drop_oversize"] > 0
     for port, frame in emitted:
         if port == 5:
             continue                      # forwarded ordinary traffic, passed through

@@ -106,6 +106,29 @@ def test_reserve_strangers_and_garbage(workers):
     assert c["global"]["drop_truncated"] == 1 and c["global"]["drop_bad_version"] == 1
 
 
+def test_a_datagram_whose_frame_exceeds_9216_bytes_is_drop_oversize(workers):
+    """docs/protocol.md §10: the service counts a datagram drop_oversize when its frame
+    (42 bytes more) would exceed MAX_FRAME, as a switch would; a datagram of the largest
+    allowed size is judged by the other rules (here: bad length) and a valid round still
+    completes."""
+    config = loopback_config(workers[:2])
+    idx = np.random.default_rng(2).integers(0, 16, (2, 100))
+    with serve(config, "127.0.0.1", 0) as svc:
+        bufs, lengths = encode_data(pack(idx[0]), 100, VPP, job=1, worker=0, tensor=3,
+                                    slots=np.arange(1), rounds=0, expected=0b11)
+        datagram = bufs[0][:lengths[0]].tobytes()
+        workers[0].sendto(datagram + bytes(9175 - len(datagram)), svc.address)
+        workers[0].sendto(datagram + bytes(9174 - len(datagram)), svc.address)
+        for w in (0, 1):
+            send_tensor(workers[w], svc.address, idx[w], w, expected=0b11)
+        for s in workers[:2]:
+            hdr = decode_headers(receive(s, 1))
+            assert hdr["contributors"][0] == 0b11 and hdr["flags"][0] == 0
+        c = svc.stop()
+    assert c["global"]["drop_oversize"] == 1 and c["global"]["drop_bad_length"] == 1
+    assert c["jobs"][1]["aggregated"] == 2 and c["jobs"][1]["rx"] == 2
+
+
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
 def test_members_sharing_an_address_are_refused(process):
     m = Member(0, 0, "02:00:00:00:00:01", "127.0.0.1", 41000)

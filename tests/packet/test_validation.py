@@ -252,3 +252,34 @@ def test_fragments_for_the_aggregator_are_dropped_and_others_forwarded(target):
     check_counters(target, glob={"drop_fragment": len(aimed), "forwarded": 2}, jobs={1: {}})
 
     assert_round_is_exact(target, job, seed=10)
+
+
+def padded_to(frame: bytes, size: int) -> bytes:
+    """The frame with link padding after its UDP datagram, `size` bytes in all."""
+    return frame + bytes(range(256)) * ((size - len(frame)) // 256) + bytes(
+        (size - len(frame)) % 256)
+
+
+def test_frames_over_9216_bytes_are_dropped_first_on_every_plane(target):
+    """§4.1 row 1: a frame longer than MAX_FRAME (9216 bytes) is drop_oversize whatever it
+    carries, a DATA that would otherwise aggregate included, and touches no slot; a
+    9216-byte frame is still taken whole."""
+    job = make_job(1, 2, pool_size=16, values_per_packet=VALUES)
+    routes = (Route("10.9.0.0/16", 2, "02:00:00:00:09:01"),)
+    target.start(make_config(job, routes=routes))
+    m0 = job.members[0]
+    port, data = raw_frame(m0, good_header() + GARBAGE)
+    _, ordinary = raw_frame(m0, bytes(40), dport=53)
+    routed = set_ip_dst(ordinary, bytes([10, 9, 1, 1]))
+    too_long = [padded_to(data, 9217), padded_to(routed, 9217), padded_to(routed, 12000)]
+    assert target.run([(port, f) for f in too_long]) == []
+    check_counters(target, glob={"drop_oversize": len(too_long)}, jobs={1: {}})
+
+    longest = padded_to(routed, 9216)
+    got = target.run([(port, longest)])
+    assert [(egress, len(out)) for egress, out in got] == [(2, 9216)]
+    assert got[0][1][12:] == longest[12:]
+    check_counters(target, glob={"drop_oversize": len(too_long), "forwarded": 1},
+                   jobs={1: {}})
+
+    assert_round_is_exact(target, job, seed=11)

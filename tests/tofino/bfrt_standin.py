@@ -235,8 +235,10 @@ class BfrtStandIn(Node):
             self.registers[path] = RegisterTable(self, path, fields, 1 << width)
             self._place(f"{program}.{path}", self.registers[path])
         for path, spec in {**pre_specs(), **port_specs(), **tm_specs(tofino)}.items():
-            table = PortConfig(self, path, tofino) if path.endswith("tm.port.cfg") \
-                else SdeTable(self, path, spec)
+            kind = {"tm.port.cfg": lambda: PortConfig(self, path, tofino),
+                    "port.port_stat": lambda: PortStat(self, path, spec)}
+            table = next((make() for suffix, make in kind.items() if path.endswith(suffix)),
+                         None) or SdeTable(self, path, spec)
             self._place(path, table)
 
     # -- round trips and bfrt_python's batching (bfrtcli: batch_begin / batch_end) --
@@ -354,10 +356,17 @@ def port_specs() -> dict[str, dict]:
               "BF_SPEED_100G", "BF_SPEED_200G", "BF_SPEED_400G")
     fecs = ("BF_FEC_TYP_NONE", "BF_FEC_TYP_FIRECODE", "BF_FEC_TYP_REED_SOLOMON",
             "BF_FEC_TYP_FC", "BF_FEC_TYP_RS")
+    # $PORT_STAT (bf_rt_port_stat_table): the MAC's RMON counters, read (and cleared) by
+    # port; a few of its fields, those of frames too long among them.
+    stats = ("FramesReceivedOK", "FramesReceivedAll", "FramesReceivedwithFCSError",
+             "FrameTooLong", "FramesReceivedOversized", "JabberReceived",
+             "FramesTransmittedOK")
     return {"port.port": _spec({"DEV_PORT": 9}, writable + read_only,
                                _READS - {"usage_get"} | {"add", "mod", "delete", "clear"},
                                read_only=read_only, choices={"SPEED": speeds, "FEC": fecs},
-                               dollar=True)}
+                               dollar=True),
+            "port.port_stat": _spec({"DEV_PORT": 9}, stats, _READS | {"mod", "clear"},
+                                    read_only=stats, dollar=True)}
 
 
 def tm_specs(tofino: int) -> dict[str, dict]:
@@ -583,6 +592,21 @@ class PortConfig:
             "egress_qid_queues": [nr * 8 + q for q in qids], "copy_to_cpu": False,
             "mirror_drop_destination": False, "mirror_drop_pg_queue": 0,
             "pkt_extraction_credits": 0}, None)
+
+
+class PortStat(SdeTable):
+    """port.port_stat: one entry per port that exists in port.port (its counters from 0);
+    `count(dev_port, field, n)` stands for the MAC counting frames."""
+
+    def _existing(self, k: tuple) -> Entry | None:
+        if k not in self.entries and k in self.standin.port.port.entries:
+            self.entries[k] = Entry(self._shown(k), {self._name(n): 0 for n in self.spec["data"]},
+                                    None, self, k)
+        return self.entries.get(k)
+
+    def count(self, dev_port: int, field: str, n: int) -> None:
+        entry = self._existing((("DEV_PORT", dev_port),))
+        entry.data[self._name(field)] += n
 
 
 class CounterTable:

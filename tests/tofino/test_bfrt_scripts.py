@@ -143,6 +143,8 @@ def test_traffic_manager_gets_strict_priority_capacity_and_colour_limits():
     ports_up = {k[0][1]: e.raw()["data"] for k, e in standin.port.port.entries.items()}
     assert set(ports_up) == set(ports)
     assert all(d["$SPEED"] == "BF_SPEED_100G" and d["$PORT_ENABLE"] for d in ports_up.values())
+    # The MAC takes frames up to MAX_FRAME (9216 bytes + the 4-byte FCS), protocol.md §4.1.
+    assert all(d["$RX_MTU"] == d["$TX_MTU"] == 9220 for d in ports_up.values())
 
 
 def test_yellow_limit_never_drops_a_packet_the_reference_keeps():
@@ -280,6 +282,12 @@ def test_counters_are_read_under_the_protocols_names():
                                        base11 + tp.JOB_CELLS["flush"]: 3})
     standin.counters[tp.C_GLOBAL][job_plan.GLOBAL_COUNTER_CELLS["drop_fragment"]] = 4
     standin.counters[tp.C_DLCP][job_plan.DLCP_COUNTER_CELLS["dlcp_selective_drop"]] = 6
+    # drop_oversize is the MACs' count of frames over 9216 bytes, on every port the program
+    # takes frames on (members and next hops), not on others.
+    first, last = plan.frame_ports[0], plan.frame_ports[-1]
+    standin.port.port_stat.count(first, "FrameTooLong", 2)
+    standin.port.port_stat.count(last, "FrameTooLong", 5)
+    standin.port.port_stat.count(last, "FramesReceivedOversized", 7)     # a different count
     out = switch.counters(plan)
     assert set(out["jobs"][10]) == set(ref.JOB_COUNTERS) | {"drop_unsatisfiable"}
     assert set(out["global"]) == set(ref.GLOBAL_COUNTERS) | {"drop_fragment"}
@@ -287,11 +295,17 @@ def test_counters_are_read_under_the_protocols_names():
     assert (j["rx"], j["aggregated"], j["results_multicast"], j["drop_duplicate"],
             j["flushes"]) == (11, 7, 2, 1, 3)
     assert out["global"]["drop_fragment"] == 4 and out["global"]["dlcp_selective_drop"] == 6
+    assert out["global"]["drop_oversize"] == 2 + 5
     assert all(v == 0 for v in out["jobs"][10].values())
     blind = ThcInaSwitch(standin, tp.DeployOptions())
     unreported = blind.counters(blind.plan(config()))
     assert unreported["global"]["dlcp_selective_drop"] is None
     assert unreported["global"]["dlcp_ce_marked"] == 0
+    # Ports this deployment did not bring up cannot be read: unknown, not 0.
+    fresh = BfrtStandIn()
+    ThcInaSwitch(fresh, tp.DeployOptions(drop_report_ports=(30,))).install(config())
+    offline = ThcInaSwitch(fresh, tp.DeployOptions(drop_report_ports=(30,)))
+    assert offline.counters(offline.plan(config()))["global"]["drop_oversize"] is None
 
 
 # ---------------------------------------------------------------- the scripts as run
