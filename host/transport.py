@@ -57,6 +57,7 @@ IP_UDP_HEADERS = 28            # IPv4 + UDP header bytes in front of the AGG hea
 PROBE_NONE = -1                # no probe answer (yet) for a chunk
 PROBE_TENSOR = 0xFFFFFFFF      # tensor id of AggregatorTransport.probe's DATA
 PROBE_WAIT = 0.25              # seconds a probe waits for the aggregator's answer
+EVERY_ROUND = -1               # a background waiter's own predicate: look after every round
 # Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
 # port unreachable), or the way there is down (the link, the route, the host).
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
@@ -428,30 +429,45 @@ class AggregatorTransport:
     def _run_native(self, stream: "TensorStream", *, block: bool, target: int) -> None:
         """Rounds in C until chunks [0, target) are done (block=False: one round); what
         the C loop hands back is finished here, as the Python path does it."""
+        while not self._native_outcome(stream, self._native_call(stream, block, target),
+                                       target):
+            pass
+
+    def _native_outcome(self, stream: "TensorStream", status: int, target: int) -> bool:
+        """What a dp_run status asks of Python: True when the call's goal was reached (or
+        it was woken), False when a STRAGGLER notice was applied or the stream is slow but
+        within its timeout (call again); the errors of the Python path otherwise."""
         ex = stream.ex
-        while True:
-            status = self._native_call(stream, block, target)
-            if status == native_datapath.DONE:
-                return
-            if status == native_datapath.NOTICE:
-                # A STRAGGLER notice: it and the datagrams after it go through _apply.
-                state = stream.native.state
-                if self._apply_received(ex, state.rx_next, state.rx_count):
-                    stream.last_progress = time.monotonic()
-            elif status == native_datapath.WAITING_INPUT:
-                raise self._never_submitted(ex)
-            elif status == native_datapath.TIMEOUT:
-                self._check_timeout(stream, lambda: ex.done_prefix() >= target)
-            else:
-                err = stream.native.state.err
-                exc = OSError(err, os.strerror(err))     # ECONNREFUSED: ConnectionRefusedError
-                if err in UNREACHABLE_ERRNOS:
-                    raise self._unreachable(exc) from exc
-                raise exc
+        if status in (native_datapath.DONE, native_datapath.WOKEN):
+            return True
+        if status == native_datapath.NOTICE:
+            # A STRAGGLER notice: it and the datagrams after it go through _apply.
+            state = stream.native.state
+            if self._apply_received(ex, state.rx_next, state.rx_count):
+                stream.last_progress = time.monotonic()
+            return False
+        if status == native_datapath.WAITING_INPUT:
+            raise self._never_submitted(ex)
+        if status == native_datapath.TIMEOUT:
+            self._check_timeout(stream, lambda: ex.done_prefix() >= target)
+            return False
+        err = stream.native.state.err
+        exc = OSError(err, os.strerror(err))     # ECONNREFUSED: ConnectionRefusedError
+        if err in UNREACHABLE_ERRNOS:
+            raise self._unreachable(exc) from exc
+        raise exc
 
     def _native_call(self, stream: "TensorStream", block: bool, target: int) -> int:
         """One dp_run call: the scalars of the stream, the timer and the socket go in, and
         come back with this call's counters."""
+        self._native_enter(stream)
+        try:
+            return stream.native.run(block, target)
+        finally:
+            self._native_leave(stream)
+
+    def _native_enter(self, stream: "TensorStream") -> None:
+        """The scalars of the stream, the timer and the socket into the C state."""
         ex, timer, io, window = stream.ex, self.timer, self.io, stream.native
         s = window.state
         s.available, s.next_unsent, s.n_done = ex.available, ex._next_unsent, ex._n_done
@@ -461,19 +477,24 @@ class AggregatorTransport:
         s.rto_init, s.rto_min, s.rto_max = timer.rto_init, timer.rto_min, timer.rto_max
         s.sock_tos, s.heard = io.tos, self._heard_from_aggregator
         s.ect_retx = bool(getattr(self.policy, "ect_retransmissions", False))
-        try:
-            return window.run(block, target)
-        finally:
-            ex._next_unsent, ex._n_done, ex._done_prefix = s.next_unsent, s.n_done, s.done_prefix
-            ex.last_progress, stream.last_progress = s.ex_last_progress, s.stream_last_progress
-            if s.have_srtt:
-                timer.srtt, timer.rttvar = s.srtt, s.rttvar
-            io.tos, self._heard_from_aggregator = s.sock_tos, bool(s.heard)
-            io.rx_truncated += s.rx_truncated
-            stats = self.stats
-            for name in native_datapath.COUNTERS:
-                setattr(stats, name, getattr(stats, name) + getattr(s, name))
-            stats.rtt_samples.extend(window.rtt_samples())
+
+    def _native_leave(self, stream: "TensorStream") -> None:
+        """The C state back into the stream, the timer and the statistics. A submission
+        made while the call ran (background mode) may have moved last_progress on: the
+        later of the two stays."""
+        ex, timer, io, window = stream.ex, self.timer, self.io, stream.native
+        s = window.state
+        ex._next_unsent, ex._n_done, ex._done_prefix = s.next_unsent, s.n_done, s.done_prefix
+        ex.last_progress = s.ex_last_progress
+        stream.last_progress = max(stream.last_progress, s.stream_last_progress)
+        if s.have_srtt:
+            timer.srtt, timer.rttvar = s.srtt, s.rttvar
+        io.tos, self._heard_from_aggregator = s.sock_tos, bool(s.heard)
+        io.rx_truncated += s.rx_truncated
+        stats = self.stats
+        for name in native_datapath.COUNTERS:
+            setattr(stats, name, getattr(stats, name) + getattr(s, name))
+        stats.rtt_samples.extend(window.rtt_samples())
 
     def _round(self, stream: "TensorStream") -> None:
         """One non-blocking round: take in results, send what the window allows, retransmit."""
@@ -739,6 +760,7 @@ class TensorStream:
         self.lock = threading.Lock()
         self._progress = threading.Condition(self.lock)
         self._error: BaseException | None = None
+        self._wanted: int | None = None      # chunks a background-mode waiter waits for
         self._thread = None
         if background:
             self._wake_r, self._wake_w = os.pipe()
@@ -859,24 +881,52 @@ class TensorStream:
             if self._thread is None:
                 self.transport._drive(self, until, block=block, target=target)
             elif block:
-                self._wait(until)
+                self._wait(until, target)
         except BaseException:
             self.close()             # a failed exchange frees the transport for the next
             raise
 
-    def _wait(self, until) -> None:
-        """Background mode: sleep until the I/O thread made until() true, or failed."""
+    def _wait(self, until, target: int | None = None) -> None:
+        """Background mode: sleep until the I/O thread made until() true, or failed.
+        target: until() means chunks [0, target) are done; the I/O thread is told (a
+        native call in progress ends, so it stops as soon as those chunks are in)."""
         with self._progress:
-            while not until():
-                if self._error is not None:
-                    raise self._error
-                if not self._thread.is_alive():
-                    raise TransportError(f"the I/O thread of tensor {self.ex.tensor} ended "
-                                         "before its results were in")
-                self._progress.wait(0.5)
+            if not until():
+                # A predicate of the caller's (target None) is checked after every round.
+                self._wanted = EVERY_ROUND if target is None else target
+                os.write(self._wake_w, b"w")
+            try:
+                while not until():
+                    if self._error is not None:
+                        raise self._error
+                    if not self._thread.is_alive():
+                        raise TransportError(f"the I/O thread of tensor {self.ex.tensor} "
+                                             "ended before its results were in")
+                    self._progress.wait(0.5)
+            finally:
+                self._wanted = None
+
+    def _io_target(self) -> int | None:
+        """The chunks the I/O thread's next native call brings in: every chunk submitted,
+        or fewer while a waiter wants fewer; None when all submitted chunks are done."""
+        ex = self.ex
+        done = ex.done_prefix()
+        if done >= ex.available:
+            return None
+        if self._wanted not in (None, EVERY_ROUND) and self._wanted > done:
+            return min(ex.available, self._wanted)
+        return ex.available
+
+    def _drain_wake(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
 
     def _serve(self) -> None:
         """The I/O thread: rounds of receive/send/retransmit until every chunk is done."""
+        if self.transport._native_for(self):
+            return self._serve_native()
         t, ex = self.transport, self.ex
         try:
             while True:
@@ -896,6 +946,50 @@ class TensorStream:
                     os.read(self._wake_r, 4096)
                 except BlockingIOError:
                     pass
+        except BaseException as exc:         # handed to the waiter
+            with self.lock:
+                self._error = exc
+                self._progress.notify_all()
+
+    def _serve_native(self) -> None:
+        """The I/O thread, native: one blocking C call per batch of submitted chunks (the
+        GIL and the stream's lock released while it runs); a submission, a new waiter or
+        close() writes to the wake-up pipe, which ends the call. C reads and writes only
+        chunks [0, available) of the stream's arrays, which submit() leaves alone."""
+        t, ex, window = self.transport, self.ex, self.native
+        try:
+            while True:
+                self._drain_wake()
+                with self.lock:
+                    if self.closed:
+                        return
+                    if ex.all_done():
+                        self._progress.notify_all()
+                        return
+                    target = self._io_target()
+                    wait = None
+                    if target is None or self._wanted == EVERY_ROUND:
+                        # Idle (take in strays, wait for a submit), or a waiter's own
+                        # predicate: one round, then it looks.
+                        t._run_native(self, block=False, target=0)
+                        self._progress.notify_all()
+                        if target is not None:
+                            t._check_timeout(self, ex.all_done)
+                            wait = t._wait_time(self)
+                    else:
+                        t._native_enter(self)
+                        window.state.wake_fd = self._wake_r
+                if target is None or wait is not None:
+                    t.io.wait_readable(wait, also=self._wake_r)
+                    continue
+                status = window.run(True, target)
+                with self.lock:
+                    window.state.wake_fd = -1
+                    t._native_leave(self)
+                    try:
+                        t._native_outcome(self, status, target)
+                    finally:
+                        self._progress.notify_all()
         except BaseException as exc:         # handed to the waiter
             with self.lock:
                 self._error = exc

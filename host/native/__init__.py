@@ -14,8 +14,12 @@ What stays in Python (host.transport), by a status the call returns:
   same TransportError / AggregatorTimeout (with the probe of the missing workers) as the
   Python path;
 * a kernel error: ECONNREFUSED as the same AggregatorUnreachable, any other as OSError;
-* completion rules of the caller's (`TensorStream.wait_until`, e.g. DLCP's bounded loss)
-  and the background I/O thread: the loop stays in Python, each of its rounds is native;
+* completion rules of the caller's (`TensorStream.wait_until`, e.g. DLCP's bounded loss):
+  the loop stays in Python, each of its rounds is native;
+* a background I/O thread (`TensorStream(background=True)`) enters the call once per
+  batch of submitted values, with the stream's wake-up pipe: a submission, a new waiter
+  or close() ends the call (status WOKEN) and the thread enters again with the new
+  target, so the waiter of a range is told as soon as that range is in;
 * UDP GSO or the one-datagram-per-syscall fallback (`batched=False`): the Python path.
 
 If the shared object is missing or does not load, `available()` is False, `reason()`
@@ -32,7 +36,7 @@ import numpy as np
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_datapath.so")
 
 # dp_run's statuses (datapath.c)
-DONE, NOTICE, WAITING_INPUT, TIMEOUT, ERRNO = range(5)
+DONE, NOTICE, WAITING_INPUT, TIMEOUT, ERRNO, WOKEN = range(6)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -53,7 +57,7 @@ class DpStream(ctypes.Structure):
         + [("ex_last_progress", _D), ("stream_last_progress", _D), ("have_srtt", _I)]
         + [(name, _D) for name in ("srtt", "rttvar", "rto_init", "rto_min", "rto_max",
                                    "timeout")]
-        + [(name, _I) for name in ("sock_tos", "ect_retx", "heard")]
+        + [(name, _I) for name in ("sock_tos", "ect_retx", "heard", "wake_fd")]
         + [(name, _I) for name in ("packets_sent", "bytes_sent", "retransmissions",
                                    "packets_received", "bytes_received", "results_accepted",
                                    "duplicates", "ignored", "send_calls", "send_messages",
@@ -154,6 +158,7 @@ class NativeWindow:
             setattr(s, name, _address(array, dtype))
         s.rx_rows, s.rx_width = rx.shape
         s.rtt_cap = len(self.rtt)
+        s.wake_fd = -1
         self._ref = ctypes.byref(s)
 
     def run(self, block: bool, target: int) -> int:

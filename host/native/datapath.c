@@ -11,7 +11,8 @@
  *
  * What it does not handle it hands back as a status: a STRAGGLER notice (the rows from
  * it on are left in the receive rows), a stream waiting for input, no progress within
- * the timeout, an error from the kernel (errno).
+ * the timeout, an error from the kernel (errno), and input on the stream's wake-up pipe
+ * (wake_fd: a background I/O thread's stream got new values, a new waiter, or closed).
  */
 #define _GNU_SOURCE
 #include <endian.h>
@@ -25,7 +26,8 @@
 #include <sys/socket.h>
 #include <time.h>
 
-enum { DP_DONE = 0, DP_NOTICE = 1, DP_WAITING_INPUT = 2, DP_TIMEOUT = 3, DP_ERRNO = 4 };
+enum { DP_DONE = 0, DP_NOTICE = 1, DP_WAITING_INPUT = 2, DP_TIMEOUT = 3, DP_ERRNO = 4,
+       DP_WOKEN = 5 };
 
 #define HEADER_LEN 32
 #define VERSION 2
@@ -62,6 +64,7 @@ struct dp_stream {
     int64_t have_srtt;
     double srtt, rttvar, rto_init, rto_min, rto_max, timeout;
     int64_t sock_tos, ect_retx, heard;
+    int64_t wake_fd;             /* -1, or a pipe whose input ends a blocking call */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
@@ -137,6 +140,24 @@ static int wait_fd(int fd, short events, double seconds)
     ts.tv_sec = (time_t)seconds;
     ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
     return ppoll(&p, 1, &ts, NULL);
+}
+
+/* Wait for input on the socket or the wake-up pipe; 1 when the pipe has input (it is
+ * left there for Python to read), 0 otherwise, -1 with errno on an error. */
+static int wait_input(const struct dp_stream *s, double seconds)
+{
+    if (s->wake_fd < 0)
+        return wait_fd((int)s->fd, POLLIN, seconds) < 0 ? -1 : 0;
+    struct pollfd p[2] = { { .fd = (int)s->fd, .events = POLLIN },
+                           { .fd = (int)s->wake_fd, .events = POLLIN } };
+    struct timespec ts;
+    if (seconds < 0)
+        seconds = 0;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    if (ppoll(p, 2, &ts, NULL) < 0)
+        return -1;
+    return (p[1].revents & POLLIN) != 0;
 }
 
 /* ------------------------------------------------------------------ sending */
@@ -453,9 +474,14 @@ int dp_run(struct dp_stream *s, int block, int64_t target)
         double now = monotonic_now();
         double wait = fmin(next_deadline(s, now, rto_of(s)) - now,
                            s->stream_last_progress + s->timeout - now);
-        if (wait_fd((int)s->fd, POLLIN, wait) < 0 && errno != EINTR) {
+        int woken = wait_input(s, wait);
+        if (woken < 0 && errno != EINTR) {
             s->err = errno;
             status = DP_ERRNO;
+            break;
+        }
+        if (woken > 0) {
+            status = DP_WOKEN;
             break;
         }
         if (monotonic_now() - s->stream_last_progress > s->timeout && done_prefix(s) < target) {
