@@ -23,6 +23,10 @@ After the tables: each THC mode's time over bf16-hook's and over fp32-gloo's, at
 rate and size in this run (below 1: THC is faster); the JSON rows carry them too.
 `bound` is the bytes-on-the-wire limit of one worker link, the busier direction:
 thc-agg max(up, down) frame bytes; ring allreduces 2(n-1)/n of the buffer each way.
+`what bound it` names, per cell, the resource that held it: `wire` (within 25 % of that
+bound), `cpu` (the machine's cores at least 90 % busy during the call, /proc/stat: workers,
+switch and kernel together), else `sync` (the workers waiting on each other); the CPU of
+all workers per call is printed too.
 Times are medians over --reps of the slowest worker (all_reduce MAX of the per-worker times).
 `peak MB` is the largest growth of a worker's resident memory over its timed reps of a
 size (peak RSS over the RSS after the warm-up call, which holds the input, the
@@ -126,11 +130,12 @@ def worker(args) -> None:
         d = int(mb * (1 << 20)) // 4
         x = torch.from_numpy(np.random.default_rng(args.rank).standard_normal(d)
                              .astype(np.float32))
-        times, base = [], None
+        times, cpu, busy, base = [], [], [], None
         for rep in range(args.reps + 1):                 # the first is a warm-up
             if rep == 1:
                 base = _reset_peak_rss()                 # after the warm-up's allocations
             dist.barrier()
+            machine0, cpu0 = machine_cpu_ticks(), time.process_time()
             t0 = time.perf_counter()
             if args.mode in HOOK_DTYPES:
                 compressed_mean(x, HOOK_DTYPES[args.mode], args.world)
@@ -141,10 +146,17 @@ def worker(args) -> None:
             else:
                 state.reduce(x, key)
             elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            used = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+            busy_fraction = machine_busy(machine0, machine_cpu_ticks())
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(used)                        # every worker's CPU for the call
             if rep:
                 times.append(float(elapsed))
+                cpu.append(float(used))
+                busy.append(busy_fraction)
         results[str(mb)] = times
+        results.setdefault("worker_cpu_s", {})[str(mb)] = cpu
+        results.setdefault("machine_busy", {})[str(mb)] = busy
         peak = torch.tensor([_peak_rss() - base if base is not None else -1.0],
                             dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -157,6 +169,37 @@ def worker(args) -> None:
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def machine_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all the machine's CPUs (/proc/stat), everything on it:
+    the workers, the switch, the kernel's network work."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)      # idle + iowait
+    total = sum(fields[:8])                                       # guest time is in user
+    return total - idle, total
+
+
+MIN_TICKS = 10                 # jiffies (10 ms each): fewer say nothing about a busy fraction
+
+
+def machine_busy(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """The machine's CPUs' busy fraction between two machine_cpu_ticks readings; None
+    when too little time passed to tell (a call shorter than a few jiffies)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total >= MIN_TICKS else None
+
+
+def resource_bound(median_s: float, wire_s: float, busy: float | None) -> str:
+    """What held a cell: the wire when the time is within 25 % of the wire bound, the CPU
+    when the machine's cores were at least 90 % busy, else waiting on each other
+    (synchronisation and latency: neither resource saturated)."""
+    if median_s <= 1.25 * wire_s:
+        return "wire"
+    if busy is not None and busy >= 0.9:
+        return "cpu"
+    return "sync"
 
 
 def _status_bytes(field: str) -> int:
@@ -226,8 +269,13 @@ def _rows(times, mode, rate, tb, args) -> list[dict]:
         t = float(np.median(times[str(mb)]))
         bound = wire_bound_seconds(mode, int(mb * (1 << 20)), args.workers, rate,
                                    args.values_per_packet)
+        cpu = times.get("worker_cpu_s", {}).get(str(mb))
+        busy = [b for b in times.get("machine_busy", {}).get(str(mb), []) if b is not None]
+        busy = float(np.median(busy)) if busy else None
         rows.append({"rate_mbit": rate, "mode": mode, "size_mb": mb, "median_s": t,
                      "bound_s": bound, "qdisc": tb.qdisc, "reps": args.reps,
+                     "worker_cpu_s": float(np.median(cpu)) if cpu else None,
+                     "machine_busy": busy, "resource_bound": resource_bound(t, bound, busy),
                      "workers": args.workers, "times_s": times[str(mb)],
                      "peak_bytes": times["peak_bytes"].get(str(mb)),
                      "values_per_packet": args.values_per_packet, "mtu": tb.mtu,
@@ -315,6 +363,12 @@ def print_table(rows) -> None:
     _print_grid(cells, "median ms, slowest worker", lambda r, mb: f"{r['median_s'] * 1e3:.1f}", 10)
     _print_grid(cells, "wire bound ms, one worker link", lambda r, mb: f"{r['bound_s'] * 1e3:.1f}",
                 10)
+    _print_grid(cells, "what bound it (machine CPU busy during the call)",
+                lambda r, mb: r["resource_bound"] + ("" if r.get("machine_busy") is None else
+                                                     f" {100 * r['machine_busy']:.0f}%"), 10)
+    _print_grid(cells, "CPU ms per call, all workers together",
+                lambda r, mb: "-" if r.get("worker_cpu_s") is None else
+                f"{r['worker_cpu_s'] * 1e3:.0f}", 10)
     _print_grid(cells, "peak MB (x tensor)", lambda r, mb: "-" if r.get("peak_bytes") is None else
                 f"{r['peak_bytes'] / 2**20:.1f} ({r['peak_bytes'] / (mb * 2**20):.2f}x)", 16)
     print("\nTHC's time / the baseline's, same rate and size, this run (below 1: THC faster)")

@@ -1,5 +1,6 @@
 """Network namespaces with shaped links (root), and the allreduce benchmark on them."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -111,6 +112,11 @@ def test_benchmark_runs_modes_side_by_side(tmp_path):
     for r in rows.values():
         assert r["median_s"] > 0 and r["bound_s"] > 0
         assert r["values_per_packet"] == 8192 and r["mtu"] == 9000   # jumbo by default
+        # The profile names what held each cell: both workers' CPU and the machine's.
+        assert r["worker_cpu_s"] > 0
+        assert r["machine_busy"] is None or 0 <= r["machine_busy"] <= 1
+        assert r["resource_bound"] in ("wire", "cpu", "sync")
+    assert "what bound it" in res.stdout
     fp32 = rows["fp32-gloo"]
     assert fp32["median_s"] > 0.5 * fp32["bound_s"]      # the shaped link is the floor
     for hook in ("bf16-hook", "fp16-hook"):              # 2 bytes a value on the same ring
@@ -138,3 +144,17 @@ def test_benchmark_dpdk_switch_column(tmp_path):
     assert rows[0]["median_s"] > 0 and rows[0]["bound_s"] > 0
     drops = {k: v for k, v in rows[0]["switch_stats"].items() if k.startswith("drop")}
     assert not any(drops.values()), drops
+
+
+def test_the_benchmark_names_the_resource_that_bound_a_cell():
+    from host.experiments.bench_allreduce import machine_busy, machine_cpu_ticks, resource_bound
+    assert resource_bound(0.110, 0.100, 0.99) == "wire"        # near the wire: CPU irrelevant
+    assert resource_bound(0.200, 0.100, 0.95) == "cpu"
+    assert resource_bound(0.200, 0.100, 0.40) == "sync"
+    before = machine_cpu_ticks()
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.15:                      # 150 ms of work of our own
+        pass
+    # at least our one core of the machine's, busy most of the time
+    assert 0.5 / os.cpu_count() < machine_busy(before, machine_cpu_ticks()) <= 1
+    assert machine_busy(before, before) is None                 # too short to tell
