@@ -967,19 +967,20 @@ class TensorStream:
                         self._progress.notify_all()
                         return
                     target = self._io_target()
-                    wait = None
-                    if target is None or self._wanted == EVERY_ROUND:
-                        # Idle (take in strays, wait for a submit), or a waiter's own
-                        # predicate: one round, then it looks.
+                    in_c = target is not None and self._wanted != EVERY_ROUND
+                    if in_c:
+                        t._native_enter(self)
+                        window.state.wake_fd = self._wake_r
+                    else:
+                        # Idle (take in strays, then wait for a submit: no timeout), or a
+                        # waiter's own predicate: one round, then the waiter looks.
                         t._run_native(self, block=False, target=0)
                         self._progress.notify_all()
+                        wait = None
                         if target is not None:
                             t._check_timeout(self, ex.all_done)
                             wait = t._wait_time(self)
-                    else:
-                        t._native_enter(self)
-                        window.state.wake_fd = self._wake_r
-                if target is None or wait is not None:
+                if not in_c:
                     t.io.wait_readable(wait, also=self._wake_r)
                     continue
                 status = window.run(True, target)

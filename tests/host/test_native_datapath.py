@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -268,3 +269,64 @@ def test_the_makefile_builds_the_shared_object(tmp_path):
     assert subprocess.run(up_to_date, cwd=REPO, timeout=60).returncode == 0
     os.utime(src, (os.path.getmtime(so) + 5,) * 2)         # the .c changed
     assert subprocess.run(up_to_date, cwd=REPO, timeout=60).returncode == 1
+
+
+def _background_stream(ts, w, idx, pieces, vpp, tensor, log):
+    """Worker w submits its indices in `pieces` ranges through a background stream, waiting
+    for each range's sums right after submitting the next (as THCAllreduce's pipeline
+    does); log gets (range, values done when its wait returned)."""
+    n_values = len(idx)
+    step = -(-n_values // pieces // vpp) * vpp
+    stream = ts[w].open_stream(n_values, tensor, background=True)
+    bounds = [(lo, min(lo + step, n_values)) for lo in range(0, n_values, step)]
+    for k, (lo, hi) in enumerate(bounds):
+        stream.submit(pack(idx[lo:hi]), hi - lo)
+        if k:
+            stream.wait_values(bounds[k - 1][1])
+            log.append((k - 1, stream.values_done()))
+    return stream.finish()
+
+
+@PATHS
+def test_a_background_stream_gives_exact_sums_range_by_range(aggregator, use_native):
+    """The I/O thread of a background stream (native: one C call per batch of submitted
+    chunks, woken by each submission and each new waiter): exact sums, each range's wait
+    returns once that range is in, and a stream closed while its thread waits in the
+    aggregator's silence ends at once."""
+    n, pool, vpp = 3, 8, 512
+    svc, addrs = aggregator(n, pool)
+    idx = random_indices(n, 40 * vpp + 77, 21)
+    ts = [AggregatorTransport(svc.address, job=1, worker=w, expected=(1 << n) - 1,
+                              pool_size=pool, local=addrs[w], values_per_packet=vpp,
+                              timeout=15, native=use_native) for w in range(n)]
+    for t in ts:
+        t.flush()
+    results, logs, errors = [None] * n, [[] for _ in range(n)], []
+
+    def work(w):
+        try:
+            results[w] = _background_stream(ts, w, idx[w], 4, vpp, 5, logs[w])
+        except Exception as exc:          # re-raised in the test's thread
+            errors.append(exc)
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    if errors:
+        raise errors[0]
+    expected = np.sum([TABLE[i] for i in idx], axis=0)
+    for w in range(n):
+        assert np.array_equal(results[w].sums.astype(np.int64), expected)
+        assert [k for k, _ in logs[w]] == [0, 1, 2]
+        assert all(done >= (k + 1) * 10 * vpp for k, done in logs[w])
+    # A stream whose aggregator never answers (worker 0 alone): close() wakes the thread.
+    lone = ts[0].open_stream(4 * vpp, 6, background=True)
+    lone.submit(pack(idx[0][:4 * vpp]), 4 * vpp)
+    time.sleep(0.2)                                   # the thread is waiting for results
+    t0 = time.monotonic()
+    lone.close()
+    assert time.monotonic() - t0 < 2.0
+    for t in ts:
+        t.close()
+    assert svc.counters()["jobs"][1]["results_multicast"] == 41
