@@ -171,6 +171,18 @@ def default_thresholds(base: float = 8.0, d: float = 0.5) -> tuple[int, ...]:
     return tuple(k)
 
 
+def window_thresholds(workers: int, pool_size: int, capacity: int,
+                      d: float = 0.5) -> tuple[int, ...]:
+    """K[q] for an in-network job: no data band's threshold below what the job's own
+    window can put in one queue (every worker with pool_size chunks in flight), capped at
+    the capacity, so a job alone never meets a selective drop: only traffic on top of its
+    window (overload) does. Where that leaves room below the capacity, the bands keep
+    their order (K[6-b] = base(1 + d b), base = the window)."""
+    window = workers * pool_size
+    return tuple(min(k, capacity) if q < NUM_QUEUES - 1 else k
+                 for q, k in enumerate(default_thresholds(window, d)))
+
+
 def default_dscp_map() -> dict[int, tuple[int, bool]]:
     """DSCP -> (queue, is_data). Unlisted DSCPs go to queue 0 without selective drop."""
     m = {DATA_DSCP_BASE + b: (NUM_DATA_BANDS - 1 - b, True) for b in range(NUM_DATA_BANDS)}

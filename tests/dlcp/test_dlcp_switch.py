@@ -104,3 +104,37 @@ def test_marked_traffic_through_reference_switch_then_real_receiver(receiver):
         assert res.received.all() and np.array_equal(res.values, tensors[lay])
     udp.close()
     raw.close()
+
+
+def _burst_drops(thresholds, packets: int, band: int = 0) -> dict:
+    """`packets` Not-ECT frames of one band into a paused port: the switch's DLCP drops."""
+    cfg = SwitchConfig(routes=(Route("10.0.1.0/24", 1, "02:00:00:00:01:02"),),
+                       dlcp=Dlcp(thresholds=thresholds, capacity=64))
+    switch = reference.ReferenceSwitch(cfg, port_rates={1: 0})
+    rows = encode_segments(7, np.ones(packets * VPS, np.float32), VPS)
+    frames = wrap_frames(rows, np.full(packets, rows.shape[1]), src_mac="02:00:00:00:00:01",
+                         dst_mac="02:00:00:00:00:fe", src_ip="10.0.0.1", dst_ip="10.0.1.2",
+                         sport=40000, dport=40001, tos=((32 + band) << 2) | ECN_NOT_ECT)
+    for f in frames:
+        switch.process(0, f, now=0.0)
+    return switch.counters()["global"]
+
+
+def test_window_thresholds_leave_a_jobs_own_window_alone():
+    """dataplane.config.window_thresholds: every data band's K is at least the packets a
+    job's window can queue (workers x pool), capped at the capacity, so the window alone
+    meets no selective drop; anything on top of it does (overload)."""
+    from dataplane.config import window_thresholds
+    workers, pool = 4, 8
+    k = window_thresholds(workers, pool, capacity=64)
+    assert all(min(workers * pool, 64) <= kq <= 64 for kq in k[:-1])
+    assert k[-1] == default_thresholds()[-1]                  # the control queue unbounded
+    assert all(kq == 64 for kq in window_thresholds(4, 32, capacity=64)[:-1])
+    for band in (0, 6):
+        assert _burst_drops(k, workers * pool, band)["dlcp_selective_drop"] == 0
+    # The default thresholds (T = 8) drop from the same window: the in-network case of
+    # docs/dlcp.md, where one selective drop loses a chunk for every worker.
+    assert _burst_drops(default_thresholds(8, 0.5), workers * pool, 0)["dlcp_selective_drop"] > 0
+    # On top of the window (overload) the band still drops selectively, above its K.
+    overload = _burst_drops(k, workers * pool + 16, 0)["dlcp_selective_drop"]
+    assert 0 < overload <= 16

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thc
-from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
+from dataplane.config import (Dlcp, Job, Member, SwitchConfig, default_thresholds,
+                              window_thresholds)
 from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
 from dataplane.udp_service import serve
 from host.ddp_hook import thc_hook, thc_hook_state
@@ -116,8 +117,10 @@ def run_mode(mode: str, args) -> dict:
         service = in_netns(agg_host.ns, serve,
                            SwitchConfig(ip=agg_host.ip, jobs=(job,)).validate(),
                            agg_host.ip, AGG_UDP_PORT)
-        dlcp = Dlcp(thresholds=default_thresholds(args.threshold, args.threshold_step),
-                    capacity=args.capacity)
+        thresholds = (window_thresholds(world, args.pool, args.capacity, args.threshold_step)
+                      if args.threshold is None
+                      else default_thresholds(args.threshold, args.threshold_step))
+        dlcp = Dlcp(thresholds=thresholds, capacity=args.capacity)
         switch = LiveSwitch(tb.switch_config(dlcp),
                             af_packet_vdevs([h.switch_if for h in tb.hosts]),
                             port_rates={agg_host.port: args.rate_pps})
@@ -189,7 +192,9 @@ def add_arguments(ap) -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rate-pps", type=float, default=20000.0,
                     help="service rate of the aggregator's switch port (packets/s)")
-    ap.add_argument("--threshold", type=float, default=24.0, help="DLCP T (packets)")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="DLCP T (packets); default: from the slot pool, workers x pool "
+                         "capped at the capacity (dataplane.config.window_thresholds)")
     ap.add_argument("--threshold-step", type=float, default=0.5, help="DLCP d")
     ap.add_argument("--capacity", type=int, default=64, help="packets per (port, queue)")
     ap.add_argument("--pool", type=int, default=32, help="slot pool = window per worker")
