@@ -761,6 +761,7 @@ class TensorStream:
         self._progress = threading.Condition(self.lock)
         self._error: BaseException | None = None
         self._wanted: int | None = None      # chunks a background-mode waiter waits for
+        self._in_c = False                   # the I/O thread is inside a native call
         self._thread = None
         if background:
             self._wake_r, self._wake_w = os.pipe()
@@ -833,9 +834,15 @@ class TensorStream:
             self._drive(None, block=False)
 
     def values_done(self) -> int:
-        """How many leading values have their sums in (or were given up)."""
+        """How many leading values have their sums in (or were given up). While the I/O
+        thread is inside a native call, the call's own count so far (it publishes it in its
+        state): a hint for polling (ready); wait_values is the one that synchronises with
+        the call before its sums are read."""
         with self.lock:
-            return min(self.ex.num_values, self.ex.done_prefix() * self.transport.vpp)
+            ex = self.ex
+            chunks = max(ex._done_prefix, self.native.state.done_prefix) if self._in_c \
+                else ex.done_prefix()
+            return min(ex.num_values, chunks * self.transport.vpp)
 
     def wait_values(self, num_values: int) -> None:
         """Block until the sums of values [0, num_values) are in."""
@@ -891,12 +898,14 @@ class TensorStream:
         target: until() means chunks [0, target) are done; the I/O thread is told (a
         native call in progress ends, so it stops as soon as those chunks are in)."""
         with self._progress:
-            if not until():
-                # A predicate of the caller's (target None) is checked after every round.
-                self._wanted = EVERY_ROUND if target is None else target
+            # A predicate of the caller's (target None) is checked after every round. While
+            # the I/O thread is inside a native call, the stream's arrays are the call's:
+            # nothing here looks at them until it is out (it is woken to take the new goal).
+            self._wanted = EVERY_ROUND if target is None else target
+            if self._in_c:
                 os.write(self._wake_w, b"w")
             try:
-                while not until():
+                while self._in_c or not until():
                     if self._error is not None:
                         raise self._error
                     if not self._thread.is_alive():
@@ -971,6 +980,7 @@ class TensorStream:
                     if in_c:
                         t._native_enter(self)
                         window.state.wake_fd = self._wake_r
+                        self._in_c = True
                     else:
                         # Idle (take in strays, then wait for a submit: no timeout), or a
                         # waiter's own predicate: one round, then the waiter looks.
@@ -985,6 +995,7 @@ class TensorStream:
                     continue
                 status = window.run(True, target)
                 with self.lock:
+                    self._in_c = False
                     window.state.wake_fd = -1
                     t._native_leave(self)
                     try:

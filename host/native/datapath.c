@@ -118,9 +118,13 @@ static void rtt_sample(struct dp_stream *s, double rtt)
 
 static int64_t done_prefix(struct dp_stream *s)
 {
-    while (s->done_prefix < s->n_chunks && s->done[s->done_prefix])
-        s->done_prefix++;
-    return s->done_prefix;
+    int64_t p = s->done_prefix;
+    while (p < s->n_chunks && s->done[p])
+        p++;
+    /* Read while the call runs by a polling thread (host/transport.py, values_done), so
+     * stored once, after the sums it covers. */
+    __atomic_store_n(&s->done_prefix, p, __ATOMIC_RELEASE);
+    return p;
 }
 
 /* Every chunk ever sent is below this bound (a chunk goes out only within pool of
