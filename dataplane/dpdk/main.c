@@ -28,7 +28,10 @@
  *   loop; --bench-gap-us offers one burst per gap of idle time and reports how
  *   long each waited to be picked up (the cost of the back-off).
  * Frames: up to MAX_FRAME bytes (ports.c) pass whole; what a port cannot receive whole (or is
- *   longer) is dropped and counted rx_oversize, what it cannot send tx_oversize.
+ *   longer) is dropped and counted drop_oversize (docs/protocol.md §4.1) and, for the
+ *   port, rx_oversize; what it cannot send, tx_oversize. An af_packet port's frames
+ *   from before it started (caught before its socket was bound) are flushed, never
+ *   processed: rx_flushed.
  * Statistics go to --stats (JSON) on exit and on SIGUSR1; without --stats, to stdout.
  * Stdout otherwise carries the one start-up line ("... running").
  */
