@@ -40,6 +40,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,7 @@ PROBE_NONE = -1                # no probe answer (yet) for a chunk
 PROBE_TENSOR = 0xFFFFFFFF      # tensor id of AggregatorTransport.probe's DATA
 PROBE_WAIT = 0.25              # seconds a probe waits for the aggregator's answer
 EVERY_ROUND = -1               # a background waiter's own predicate: look after every round
+RTT_SAMPLES_KEPT = 4096        # TransportStats keeps the most recent RTT samples
 # Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
 # port unreachable), or the way there is down (the link, the route, the host).
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
@@ -149,7 +151,9 @@ class TransportStats:
     send_calls: int = 0            # send syscalls (sendmmsg, or send/sendmsg per datagram)
     send_messages: int = 0         # messages those calls carried (one per GSO run)
     recv_calls: int = 0            # receive syscalls (recvmmsg, or recv_into per datagram)
-    rtt_samples: list = field(default_factory=list)
+    # The most recent RTT samples only: a long run takes several per call, and a list of all
+    # of them grew a worker by about 80 MB an hour (host.experiments.soak).
+    rtt_samples: deque = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES_KEPT))
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
