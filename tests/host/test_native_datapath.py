@@ -138,24 +138,33 @@ def _allreduce_all(svc_address, addresses, n, pool, vpp, tensors, native_of, tim
                               timeout=timeout, native=native_of(w)) for w in range(n)]
     for t in ts:
         t.flush()
+    try:
+        results = _in_threads(n, lambda w: [ts[w].allreduce(pack(idx[w]), len(idx[w]), k)
+                                            for k, idx in enumerate(tensors)])
+    finally:
+        for t in ts:
+            t.close()
+    return results, ts
+
+
+def _in_threads(n, work):
+    """work(w) for w in range(n), each in its own thread; their results, or the first
+    error re-raised here."""
     results, errors = [None] * n, []
 
-    def work(w):
+    def run(w):
         try:
-            results[w] = [ts[w].allreduce(pack(idx[w]), len(idx[w]), k)
-                          for k, idx in enumerate(tensors)]
-        except Exception as exc:          # re-raised in the test's thread
+            results[w] = work(w)
+        except Exception as exc:          # re-raised in the caller's thread
             errors.append(exc)
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(n)]
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(60)
-    for t in ts:
-        t.close()
     if errors:
         raise errors[0]
-    return results, ts
+    return results
 
 
 def test_identical_allreduce_results_through_a_lossy_path(aggregator):
@@ -301,20 +310,8 @@ def test_a_background_stream_gives_exact_sums_range_by_range(aggregator, use_nat
                               timeout=15, native=use_native) for w in range(n)]
     for t in ts:
         t.flush()
-    results, logs, errors = [None] * n, [[] for _ in range(n)], []
-
-    def work(w):
-        try:
-            results[w] = _background_stream(ts, w, idx[w], 4, vpp, 5, logs[w])
-        except Exception as exc:          # re-raised in the test's thread
-            errors.append(exc)
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
-    if errors:
-        raise errors[0]
+    logs = [[] for _ in range(n)]
+    results = _in_threads(n, lambda w: _background_stream(ts, w, idx[w], 4, vpp, 5, logs[w]))
     expected = np.sum([TABLE[i] for i in idx], axis=0)
     for w in range(n):
         assert np.array_equal(results[w].sums.astype(np.int64), expected)
