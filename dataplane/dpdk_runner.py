@@ -175,6 +175,16 @@ def build(quiet: bool = True) -> Path:
     return SWITCH_BIN
 
 
+def cannot_run() -> str | None:
+    """Why the built switch cannot run here (None when it can): for callers that use the
+    binary `make build` made, without building it themselves (available() builds)."""
+    if not SWITCH_BIN.is_file():
+        return f"{SWITCH_BIN} is not built: run `make build` (needs libdpdk-dev)"
+    if os.geteuid() != 0:
+        return "the DPDK switch needs root (EAL, and a veth pair for the workers)"
+    return None
+
+
 def available() -> tuple[bool, str]:
     """Whether the switch can run here, and why not."""
     if shutil.which("pkg-config") is None or subprocess.run(

@@ -77,7 +77,7 @@ from tqdm import tqdm
 
 import thc
 from dataplane.config import MAX_VALUES, Job, Member, SwitchConfig
-from dataplane.dpdk_runner import SWITCH_BIN, HostService, SwitchError
+from dataplane.dpdk_runner import HostService, SwitchError, cannot_run
 from dataplane.udp_service import serve
 from dataplane.wire import AGG_PORT_BASE
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port, thc_hook, thc_hook_state
@@ -449,20 +449,11 @@ def start_aggregator(args):
     return (host, port), members, lambda: None
 
 
-def dpdk_unavailable() -> str | None:
-    """Why the embedded DPDK switch cannot run here (None when it can)."""
-    if not SWITCH_BIN.is_file():
-        return f"{SWITCH_BIN} is not built: run `make build` (needs libdpdk-dev)"
-    if os.geteuid() != 0:
-        return "the DPDK switch needs root (EAL, and a veth pair for the workers)"
-    return None
-
-
 def start_dpdk_switch(args):
     """The DPDK switch (dataplane/dpdk/build/thc_switch) behind a veth pair (MTU 9000):
     the workers are UDP sockets on this host bound to the host end's address (every member
     on switch port 0, one MAC/IP, its own UDP port); they reach the switch's IP through it."""
-    reason = dpdk_unavailable()
+    reason = cannot_run()
     if reason:
         raise SystemExit(f"--aggregator dpdk: {reason}; or use --aggregator reference")
     # A subnet and interface name of this process, so two main jobs do not collide.
@@ -554,8 +545,8 @@ def run_on_links(args) -> dict:
     mtu = link_mtu(args.values_per_packet)
     for run in args.runs:
         dpdk = run == "thc" and args.aggregator == "dpdk"
-        if dpdk and dpdk_unavailable():
-            raise SystemExit(f"--aggregator dpdk: {dpdk_unavailable()}")
+        if dpdk and cannot_run():
+            raise SystemExit(f"--aggregator dpdk: {cannot_run()}")
         print(f"{run}: {args.workers} workers on {args.link_mbit:g} Mbit/s links (MTU {mtu})"
               + (", DPDK switch on the links" if dpdk else
                  ", reference aggregator on the bridge" if run == "thc" else ""))

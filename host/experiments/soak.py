@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataplane.config import Job, Member, SwitchConfig
-from dataplane.dpdk_runner import SWITCH_BIN, HostService
+from dataplane.dpdk_runner import HostService, cannot_run
 from host.ddp_hook import free_udp_port, thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
 
@@ -51,15 +51,6 @@ GRACE_S = 30.0              # the most training added at the end to see the last
 JOB_DROPS = ("drop_bad_slot", "drop_not_member", "drop_bad_expected", "drop_unsatisfiable")
 JOB_OUTCOMES = ("aggregated", "drop_duplicate", "results_reserved", "straggler_notices",
                 "flushes")
-
-
-def unavailable() -> str | None:
-    """Why the DPDK switch cannot run here (None when it can)."""
-    if not SWITCH_BIN.is_file():
-        return f"{SWITCH_BIN} is not built: run `make build` (needs libdpdk-dev)"
-    if os.geteuid() != 0:
-        return "the DPDK switch needs root (EAL, and a veth pair for the workers)"
-    return None
 
 
 def rss_kib(pid: int | str = "self") -> int:
@@ -302,7 +293,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    reason = unavailable()
+    reason = cannot_run()
     if reason:
         raise SystemExit(f"soak: {reason}")
     out = soak(args)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from dataplane.config import Job, Member, SwitchConfig
-from dataplane.dpdk_runner import SWITCH_BIN, HostService
+from dataplane.dpdk_runner import HostService, cannot_run
 from dataplane.udp_service import serve
 from host.netlab.relay import LossyRelay, agg_worker, random_loss
 
@@ -37,14 +37,6 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 TIMEOUT = 2.0              # the hook's no-progress timeout (seconds)
 PROBE_INTERVAL = 0.05      # seconds between probes of the silent switch
-
-
-def dpdk_unavailable() -> str | None:
-    if not SWITCH_BIN.is_file():
-        return f"{SWITCH_BIN} is not built: run `make build` (needs libdpdk-dev)"
-    if os.geteuid() != 0:
-        return "the DPDK switch needs root (EAL, and a veth pair for the workers)"
-    return None
 
 
 def host_service_config() -> SwitchConfig:
@@ -165,7 +157,7 @@ def _conduct_restart(svc, events, log):
 
 @pytest.fixture(scope="module")
 def restart_run():
-    reason = dpdk_unavailable()
+    reason = cannot_run()
     if reason:
         pytest.skip(reason)
     import torch.multiprocessing as mp
@@ -337,7 +329,7 @@ def test_the_loss_was_real_and_the_transport_retransmitted(lossy_run):
 # --------------------------------------------------------------------------- the soak command
 
 def test_a_short_soak_writes_its_figures(tmp_path):
-    reason = dpdk_unavailable()
+    reason = cannot_run()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "soak.json"

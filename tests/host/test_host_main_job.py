@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dataplane import dpdk_runner
 from host.experiments import main_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +108,7 @@ def test_main_job_default_runs_and_packets():
 
 def test_main_job_with_the_dpdk_switch(tmp_path):
     """--aggregator dpdk: the real DPDK switch behind a tap aggregates every step."""
-    reason = main_job.dpdk_unavailable()
+    reason = dpdk_runner.cannot_run()
     if reason:
         pytest.skip(reason)
     res = run_main_job("--aggregator", "dpdk", "--workers", "2", "--steps", "30", "--hidden",
@@ -127,7 +128,7 @@ def test_main_job_with_the_dpdk_switch(tmp_path):
 
 def test_sigterm_stops_the_main_job_and_removes_its_switch(tmp_path):
     """SIGTERM mid-training: the workers stop, the DPDK switch exits and its veth pair goes."""
-    reason = main_job.dpdk_unavailable()
+    reason = dpdk_runner.cannot_run()
     if reason:
         pytest.skip(reason)
     proc = subprocess.Popen([sys.executable, "-m", "host.experiments.main_job", "--aggregator",
