@@ -66,7 +66,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import thc
 from host.allreduce import (CHUNK_KEY_STRIDE, SUPPORTED_DTYPES, AllreduceError,
-                            SumAllreduceExchange, THCAllreduce)
+                            SumAllreduceExchange, THCAllreduce, _all_finite, _flat_float32)
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, THCHookState, thc_hook_state
 
 FSDP_KEY_BASE = 1 << 16       # tensor keys of FSDP buffers (a DDP hook's buckets use 0, 1, ..)
@@ -153,11 +153,10 @@ class THCReduceScatter(ReduceScatter):
         ar, codec = self.allreduce, self.allreduce.codec
         ar.start()
         t_start = time.perf_counter()
+        # As THCAllreduce's own calls: the same float32 view and the same (fast) check.
         good_dtype = inp.dtype in SUPPORTED_DTYPES
-        flat = inp.detach().reshape(-1)
-        if good_dtype and flat.dtype != torch.float32:
-            flat = flat.float()
-        finite = good_dtype and bool(torch.isfinite(flat).all())
+        flat = _flat_float32(inp) if good_dtype else inp.detach().reshape(-1)
+        finite = good_dtype and _all_finite(flat)
         # Every worker learns together of a bad dtype, size or NaN and raises alike.
         if ar._check_agreement(flat.numel(), finite, good_dtype, self.key, flat.device,
                                inp.dtype):
