@@ -135,14 +135,20 @@ static int64_t sent_bound(const struct dp_stream *s)
     return hi < s->n_chunks ? hi : s->n_chunks;
 }
 
-static int wait_fd(int fd, short events, double seconds)
+static struct timespec timespec_of(double seconds)
 {
-    struct pollfd p = { .fd = fd, .events = events };
     struct timespec ts;
     if (seconds < 0)
         seconds = 0;
     ts.tv_sec = (time_t)seconds;
     ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    return ts;
+}
+
+static int wait_fd(int fd, short events, double seconds)
+{
+    struct pollfd p = { .fd = fd, .events = events };
+    struct timespec ts = timespec_of(seconds);
     return ppoll(&p, 1, &ts, NULL);
 }
 
@@ -154,11 +160,7 @@ static int wait_input(const struct dp_stream *s, double seconds)
         return wait_fd((int)s->fd, POLLIN, seconds) < 0 ? -1 : 0;
     struct pollfd p[2] = { { .fd = (int)s->fd, .events = POLLIN },
                            { .fd = (int)s->wake_fd, .events = POLLIN } };
-    struct timespec ts;
-    if (seconds < 0)
-        seconds = 0;
-    ts.tv_sec = (time_t)seconds;
-    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    struct timespec ts = timespec_of(seconds);
     if (ppoll(p, 2, &ts, NULL) < 0)
         return -1;
     return (p[1].revents & POLLIN) != 0;
