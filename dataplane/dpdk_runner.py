@@ -175,6 +175,27 @@ def build(quiet: bool = True) -> Path:
     return SWITCH_BIN
 
 
+# Per-job drop counters of docs/protocol.md §4.1 that a frame reaching a job may end in.
+JOB_DROPS = ("drop_bad_slot", "drop_not_member", "drop_bad_expected", "drop_unsatisfiable")
+JOB_OUTCOMES = ("aggregated", "drop_duplicate", "results_reserved", "straggler_notices",
+                "flushes")
+
+
+def counter_balance(stats: dict) -> dict:
+    """docs/protocol.md §4.5 on a switch process's statistics (counters()): frames in
+    (port rx) against the sum of the outcome counters, and each job's rx against its
+    outcomes."""
+    frames_in = sum(p["rx"] for p in stats["ports"].values())
+    counted = sum(v for k, v in stats["global"].items()
+                  if k == "forwarded" or k.startswith("drop_"))
+    jobs_ok = True
+    for job in stats["jobs"].values():
+        counted += job["rx"] + sum(job[k] for k in JOB_DROPS)
+        jobs_ok &= job["rx"] == sum(job[k] for k in JOB_OUTCOMES)
+    return {"frames_in": frames_in, "counted": counted,
+            "balanced": frames_in == counted and jobs_ok}
+
+
 def cannot_run() -> str | None:
     """Why the built switch cannot run here (None when it can): for callers that use the
     binary `make build` made, without building it themselves (available() builds)."""

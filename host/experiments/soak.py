@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataplane.config import Job, Member, SwitchConfig
-from dataplane.dpdk_runner import HostService, cannot_run
+from dataplane.dpdk_runner import HostService, cannot_run, counter_balance
 from host.ddp_hook import free_udp_port, thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
 
@@ -47,12 +47,6 @@ LR = 0.1
 POOL_SIZE = 64
 VALUES_PER_PACKET = 1024
 GRACE_S = 30.0              # the most training added at the end to see the last fault through
-# Per-job drop counters of docs/protocol.md §4.1 that a frame reaching a job may end in.
-JOB_DROPS = ("drop_bad_slot", "drop_not_member", "drop_bad_expected", "drop_unsatisfiable")
-JOB_OUTCOMES = ("aggregated", "drop_duplicate", "results_reserved", "straggler_notices",
-                "flushes")
-
-
 def rss_kib(pid: int | str = "self") -> int:
     """Resident set size of a process in KiB (/proc/<pid>/status VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -69,20 +63,6 @@ def switch_config(workers: int) -> SwitchConfig:
                            udp_port=free_udp_port("0.0.0.0")) for w in range(workers))
     job = Job.from_thc(1, POOL_SIZE, members, values_per_packet=VALUES_PER_PACKET)
     return SwitchConfig(mac="02:00:00:00:d5:fe", ip=f"{net}.254", jobs=(job,)).validate()
-
-
-def balance(stats: dict) -> dict:
-    """docs/protocol.md §4.5 on one switch process's final counters: frames in (port rx)
-    against the sum of the outcome counters, and each job's rx against its outcomes."""
-    frames_in = sum(p["rx"] for p in stats["ports"].values())
-    counted = sum(v for k, v in stats["global"].items()
-                  if k == "forwarded" or k.startswith("drop_"))
-    jobs_ok = True
-    for job in stats["jobs"].values():
-        counted += job["rx"] + sum(job[k] for k in JOB_DROPS)
-        jobs_ok &= job["rx"] == sum(job[k] for k in JOB_OUTCOMES)
-    return {"frames_in": frames_in, "counted": counted,
-            "balanced": frames_in == counted and jobs_ok}
 
 
 def slots_stuck(stats: dict, workers: int) -> int:
@@ -236,7 +216,7 @@ def _judge_last_fault(faults, service, progress) -> bool:
 
 def summarize(args, results, incarnations, faults, duration, rss_start, rss_end) -> dict:
     stats = [s for s in incarnations if s is not None]
-    balances = [balance(s) for s in stats]
+    balances = [counter_balance(s) for s in stats]
     r0 = results[0]
     return {
         "command": "python -m host.experiments.soak " + " ".join(sys.argv[1:]),
