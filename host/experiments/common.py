@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")               # experiments write files; no screen needed
 import matplotlib.pyplot as plt     # noqa: E402
 import numpy as np                  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn               # noqa: E402
 from sklearn.datasets import load_digits   # noqa: E402
 
@@ -24,6 +25,21 @@ def load_digits_split(seed: int = 0):
     x = (x - x.mean(0)) / (x.std(0) + 1e-6)
     cut = int(0.8 * len(x))
     return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+# Imported once by the forkserver so each worker starts fast. Not torch: a worker forked
+# from a process that imported torch (and so initialised its OpenMP runtime) spins in
+# OpenMP waits; four such workers on two cores took 60-80 ms per step of the main job's
+# MLP instead of 9 ms (OMP_WAIT_POLICY=passive removes the difference, so it is the
+# spinning; docs/perf.md "Allreduce and the main job").
+WORKER_PRELOAD = ["sklearn.datasets", "thc"]
+
+
+def worker_context():
+    """The multiprocessing context the training drivers start their workers in."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(WORKER_PRELOAD)
+    return ctx
 
 
 def make_model(hidden: int) -> nn.Sequential:

@@ -67,7 +67,6 @@ import numba
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -82,7 +81,7 @@ from dataplane.udp_service import serve
 from dataplane.wire import AGG_PORT_BASE
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port, thc_hook, thc_hook_state
 from host.experiments.bench_allreduce import link_mtu
-from host.experiments.common import load_digits_split, make_model
+from host.experiments.common import load_digits_split, make_model, worker_context
 from host.transport import parse_address
 
 COMPRESSORS = ("thc", "thc-allreduce", "bf16", "fp16", "powersgd", "none")
@@ -487,8 +486,7 @@ def run_workers(args, aggregator, members, runs=None, links=None):
 
     links: on shaped links, {"netns": per-rank namespace, "gloo_ifname", "master": the
     process group's rendezvous address}; None: loopback."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "sklearn.datasets", "thc"])
+    ctx = worker_context()
     runs = runs or args.runs
     if links:
         from host.netlab.shaped_links import GLOO_PORT

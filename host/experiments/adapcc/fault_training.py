@@ -41,7 +41,6 @@ import numba
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import thc
@@ -50,7 +49,7 @@ from dataplane.udp_service import serve
 from host.adapcc.coordinator import faulty_workers, redistribute_batch
 from host.adapcc.partial_aggregation import bitmap
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port
-from host.experiments.common import load_digits_split, make_model
+from host.experiments.common import load_digits_split, make_model, worker_context
 from host.transport import AggregatorTransport
 
 # --------------------------------------------------------------------------- coordinator
@@ -293,8 +292,7 @@ def run_job(workers: int = 4, kill_worker: int = 3, kill_step: int = 15, steps: 
            "seed": seed, "timeout": timeout, "job": 1, "pool_size": pool,
            "aggregator": f"{service.address[0]}:{service.address[1]}", "members": members,
            "coordinator": coord.address, "init_method": f"tcp://127.0.0.1:{init_port}"}
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "sklearn.datasets", "thc"])
+    ctx = worker_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=worker_main, args=(r, cfg, results)) for r in range(workers)]
     outs, errors = {}, []
