@@ -8,12 +8,20 @@ numbers instead of its hard-coded constants):
 * buying with k ready: C_buy(k) = C_full * ((k-1)/k) / ((N-1)/N) + N s / B
   (phase 1: a k-worker all-reduce; phase 2: the late data broadcast to all N).
 
+What buying really costs also holds a wait: phase 2 carries the late workers' data, so it cannot
+start before the last of them is ready.  Proceeding at rent r (time since the first ready worker)
+with the last worker ready at L costs max(r + phase 1, L) + phase 2
+(``SkiRentalCostModel.partial``).
+The online rule cannot know L, so it decides on C_buy(k) as the paper does; the replay and the
+offline optimum score every partial decision with the wait included.
+
 Online rule (break-even, one decision per ``cycle`` = 5 ms since the first worker became ready):
 wait while the accumulated waiting ("rent") is below the extra cost of buying, C_buy(k) - C_full;
 proceed with the ready set as soon as rent >= C_buy(k) - C_full and k >= 2; run the full collective
 the moment everyone is ready.  Options: ``k_of_n`` (THC's rule: proceed once k workers are ready)
-and ``max_wait`` (the artifact's 0.1 s cap).  Faults: a worker not ready within
-5 x (phase-1 end - first ready) after phase 1 ends is declared faulty.
+and ``max_wait`` (the artifact's 0.1 s cap).  Faults (the paper's rule): a worker not ready within
+5 x (phase-1 end - first ready) after phase 1 ends is declared faulty; ``min_fault_timeout`` is an
+optional floor on that timeout, off by default.
 """
 from __future__ import annotations
 
@@ -43,11 +51,26 @@ class SkiRentalCostModel:
     def full(self) -> float:
         return 2 * (self.n - 1) * self.s_over_b
 
+    def phase1(self, k: int) -> float:
+        """A k-worker all-reduce among the ready set (the relays forward, adding nothing)."""
+        share = ((k - 1) / k) / ((self.n - 1) / self.n)
+        return self.full() * share
+
+    def phase2(self) -> float:
+        """The late workers' data broadcast to all N."""
+        return self.n * self.s_over_b
+
     def buy(self, k: int) -> float:
+        """Collective time of proceeding with k ready, not counting any wait (the rule's price)."""
         if k >= self.n:
             return self.full()
-        share = ((k - 1) / k) / ((self.n - 1) / self.n)
-        return self.full() * share + self.n * self.s_over_b
+        return self.phase1(k) + self.phase2()
+
+    def partial(self, k: int, rent: float, last_ready: float) -> float:
+        """Wait + collective time of proceeding with k ready at ``rent``, both times counted from
+        the first ready worker: phase 2 starts once phase 1 is over and the last worker
+        (ready at ``last_ready``) has its data."""
+        return max(rent + self.phase1(k), last_ready) + self.phase2()
 
     def extra(self, k: int) -> float:
         return self.buy(k) - self.full()
@@ -59,7 +82,10 @@ class Decision:
     time: float                  # absolute decision time
     ready: frozenset
     relays: frozenset
-    cost: float                  # waited time (since first ready) + modelled collective time
+    # waited time (since first ready) + modelled collective time, with the wait for the late
+    # workers' data before phase 2; None for a partial decision whose late workers' ready
+    # times are not known yet (the live coordinator)
+    cost: float | None
 
 
 class Coordinator:
@@ -98,8 +124,13 @@ class Coordinator:
               or (self.k_of_n is None and rent + 1e-12 >= self.cost.extra(k))
               or (self.max_wait is not None and rent >= self.max_wait))
         if go:
-            return Decision("partial", now, ready, everyone - ready, rent + self.cost.buy(k))
+            return Decision("partial", now, ready, everyone - ready, self._partial_cost(k, rent))
         return None
+
+    def _partial_cost(self, k: int, rent: float) -> float | None:
+        if len(self.ready) < self.cost.n:
+            return None
+        return self.cost.partial(k, rent, max(self.ready.values()) - self.first_ready)
 
     def run_trace(self, ready_times: Sequence[float]) -> Decision:
         """Replay a trace of ready times, deciding on every cycle boundary."""
@@ -169,7 +200,8 @@ class LiveCoordinator:
 
 def offline_optimum(cost: SkiRentalCostModel, ready_times: Sequence[float],
                     cycle: float = 0.005) -> float:
-    """Best of {wait for all, proceed at any cycle with >= 2 ready}, same cycles and cost model."""
+    """Best of {wait for all, proceed at any cycle with >= 2 ready}, same cycles and cost model
+    (a partial choice includes the wait for the late data before phase 2)."""
     start, last = min(ready_times), max(ready_times)
     n_cycles = math.ceil((last - start) / cycle - 1e-12)
     best = n_cycles * cycle + cost.full()
@@ -177,17 +209,26 @@ def offline_optimum(cost: SkiRentalCostModel, ready_times: Sequence[float],
         now = start + j * cycle
         k = sum(t <= now + 1e-12 for t in ready_times)
         if 2 <= k < cost.n:
-            best = min(best, j * cycle + cost.buy(k))
+            best = min(best, cost.partial(k, j * cycle, last - start))
     return best
 
 
+def fault_timeout(first_ready: float, phase1_end: float, factor: float = 5.0,
+                  min_fault_timeout: float = 0.0) -> float:
+    """How long after phase 1 a missing worker has before it is faulty: the paper's
+    ``factor`` x (phase1_end - first_ready), raised to ``min_fault_timeout`` when that floor is
+    set (a host whose scheduling noise exceeds a short span would otherwise evict live workers)."""
+    return max(factor * (phase1_end - first_ready), min_fault_timeout)
+
+
 def faulty_workers(ready_times: dict[int, float], n: int, first_ready: float, phase1_end: float,
-                   now: float, factor: float = 5.0) -> set[int]:
-    """Workers still not ready once ``factor`` x (phase1_end - first_ready) has passed after phase 1.
+                   now: float, factor: float = 5.0, min_fault_timeout: float = 0.0) -> set[int]:
+    """Workers still not ready once ``fault_timeout`` has passed after phase 1 (by default the
+    paper's rule, ``factor`` x (phase1_end - first_ready), with no floor).
 
     Returns an empty set while the deadline has not passed yet.
     """
-    deadline = phase1_end + factor * (phase1_end - first_ready)
+    deadline = phase1_end + fault_timeout(first_ready, phase1_end, factor, min_fault_timeout)
     if now < deadline:
         return set()
     return {w for w in range(n) if ready_times.get(w, math.inf) > deadline}

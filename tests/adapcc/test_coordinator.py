@@ -1,9 +1,11 @@
-"""Coordinator: break-even bound (T14), decisions on a worked example, faults (T13-T16)."""
+"""Coordinator: break-even bound (T14), decisions on a worked example, faults (T13-T16), the
+wait before phase 2 in the cost, and the trend against always-wait on Fig. 3-calibrated times."""
 import numpy as np
 import pytest
 
-from host.adapcc.coordinator import (Coordinator, SkiRentalCostModel, faulty_workers,
-                                     offline_optimum, redistribute_batch)
+from host.adapcc.coordinator import (Coordinator, SkiRentalCostModel, fault_timeout,
+                                     faulty_workers, offline_optimum, redistribute_batch)
+from host.experiments.adapcc.study import ready_times, study_cost_model
 
 CYCLE = 0.005
 
@@ -34,6 +36,29 @@ def test_digest_example_decisions():
     assert d.ready == frozenset(range(7))
 
 
+def test_partial_cost_includes_the_wait_before_phase_2():
+    cost = artifact_model()
+    # proceeds at 5 ms with two ready; the six late workers are ready at 1 s, so phase 2 (their
+    # data) starts at 1 s, long after phase 1 ended
+    d = Coordinator(cost, CYCLE).run_trace([0, 0] + [1.0] * 6)
+    assert d.cost == pytest.approx(1.0 + cost.phase2())
+    assert d.cost > d.time + cost.buy(2)
+    # late data ready before phase 1 ends: no wait, the price the rule decided on
+    d = Coordinator(cost, CYCLE).run_trace([0] * 7 + [0.021])
+    assert d.action == "partial" and d.cost == pytest.approx(0.020 + cost.buy(7))
+    # the offline optimum scores its partial choices the same way: no partial choice ends
+    # before the late data is ready + phase 2
+    assert offline_optimum(cost, [0, 0] + [1.0] * 6, CYCLE) == pytest.approx(1.0 + cost.phase2())
+
+
+def test_live_partial_decision_leaves_the_cost_open():
+    rule = Coordinator(artifact_model(), CYCLE)
+    for w in range(7):
+        rule.register_ready(w, 0.0)              # worker 7's ready time is not known yet
+    d = rule.decide(0.020)
+    assert d.action == "partial" and d.cost is None
+
+
 def test_t13_everyone_ready_early_runs_full():
     d = Coordinator(artifact_model(), CYCLE).run_trace([0, 0.001, 0.002, 0, 0.003, 0, 0, 0.001])
     assert d.action == "full" and d.relays == frozenset()
@@ -60,6 +85,45 @@ def test_t14_break_even_within_twice_offline_optimum(scale):
         assert online <= 2 * opt + 2 * CYCLE + 1e-12, (trial, online, opt)
 
 
+def _replay(case, scenario, seed, traces=100):
+    cost, rng = study_cost_model(), np.random.default_rng(seed)
+    be, wait = [], []
+    for _ in range(traces):
+        trace = ready_times(rng, scenario, case)
+        be.append(Coordinator(cost, CYCLE).run_trace(trace).cost)
+        wait.append(Coordinator(cost, CYCLE, policy="always-wait").run_trace(trace).cost)
+    return cost, np.array(be), np.array(wait)
+
+
+@pytest.mark.parametrize("scenario", ["heterogeneous", "homogeneous"])
+def test_calibrated_ready_times_match_fig3_medians(scenario):
+    rng = np.random.default_rng(0)
+    spreads = [np.ptp(ready_times(rng, scenario)) for _ in range(4000)]
+    ratio = np.median(spreads) / study_cost_model().full()
+    assert ratio == pytest.approx({"heterogeneous": 0.23, "homogeneous": 0.10}[scenario], rel=0.1)
+
+
+@pytest.mark.parametrize("scenario", ["heterogeneous", "homogeneous"])
+def test_break_even_never_worse_than_always_wait_on_calibrated_times(scenario):
+    """With the wait before phase 2 counted, break-even's mean over 100 iterations stays within
+    2 % of waiting for everyone on every seed, and no single iteration loses more than the rent
+    the rule may pay before buying (max_k C_buy(k) - C_full)."""
+    for seed in range(20):
+        cost, be, wait = _replay("calibrated", scenario, seed)
+        assert be.mean() <= 1.02 * wait.mean(), seed
+        max_rent = max(cost.extra(k) for k in range(2, cost.n))
+        assert (be - wait).max() <= max_rent + 1e-9, seed
+
+
+def test_break_even_gains_on_heavy_straggler_times():
+    """The heavy case (about 11x Fig. 3's median wait): break-even beats waiting on every seed,
+    but modestly (a few %), once the wait before phase 2 is counted."""
+    for seed in range(10):
+        _, be, wait = _replay("heavy", "heterogeneous", seed)
+        assert be.mean() <= 0.99 * wait.mean(), seed
+        assert be.mean() >= 0.85 * wait.mean(), seed
+
+
 def test_k_of_n_and_policies():
     cost = artifact_model()
     ready = [0, 0.001, 0.002, 0.012, 0.3, 0.3, 0.3, 0.3]
@@ -77,6 +141,14 @@ def test_t16_faulty_rule_and_redistribution():
     assert faulty_workers(ready, 4, 0.0, 0.03, now=0.1) == set()
     assert faulty_workers(ready, 4, 0.0, 0.03, now=0.2) == {3}
     assert faulty_workers({**ready, 3: 0.17}, 4, 0.0, 0.03, now=0.2) == set()
+    # the default is the paper's rule alone: a never-ready worker is faulty right at 5x the span
+    assert fault_timeout(0.0, 0.03) == pytest.approx(0.15)
+    assert faulty_workers(ready, 4, 0.0, 0.03, now=0.1799) == set()
+    assert faulty_workers(ready, 4, 0.0, 0.03, now=0.18) == {3}
+    # the floor is an explicit option; it only lengthens a short 5x timeout
+    assert faulty_workers(ready, 4, 0.0, 0.03, now=0.2, min_fault_timeout=2.0) == set()
+    assert faulty_workers(ready, 4, 0.0, 0.03, now=2.03, min_fault_timeout=2.0) == {3}
+    assert fault_timeout(0.0, 0.03, min_fault_timeout=0.1) == pytest.approx(0.15)
     batches = redistribute_batch(256, [0, 1, 2])
     assert sum(batches.values()) == 256 and max(batches.values()) - min(batches.values()) <= 1
     with pytest.raises(ValueError):

@@ -7,8 +7,10 @@ through the reference UDP aggregator on loopback. One worker SIGKILLs itself at 
 ``kill_step``. The coordinator (this process) applies AdapCC's faulty-worker rule
 (host.adapcc.coordinator.faulty_workers): once the other workers are ready, a worker still not
 ready 5 x (time the ready set was complete - time the fastest was ready) later is declared
-faulty (with a floor, ``min_fault_timeout``, so scheduling noise on a loaded host cannot evict
-a live worker; the AdapCC artifact uses a fixed 10 s). The survivors then aggregate with the
+faulty. ``FaultCoordinator`` applies exactly that rule by default; this study passes a floor,
+``min_fault_timeout`` (2 s from the command line), because on the loaded shared machine it was
+built on scheduling noise exceeds 5x a span of a few ms and would evict live workers (the AdapCC
+artifact uses a fixed 10 s). The survivors then aggregate with the
 aggregator's expected set = survivors (docs/protocol.md §4.3), the global batch is kept by
 redistributing the dead worker's share (coordinator.redistribute_batch) and its data shard
 (the training set is re-sharded over the survivors), and training goes on.
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 import thc
 from dataplane.config import Job, Member, SwitchConfig
 from dataplane.udp_service import serve
-from host.adapcc.coordinator import faulty_workers, redistribute_batch
+from host.adapcc.coordinator import fault_timeout, faulty_workers, redistribute_batch
 from host.adapcc.partial_aggregation import bitmap
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port
 from host.experiments.common import load_digits_split, make_model, worker_context
@@ -67,10 +69,12 @@ class FaultCoordinator:
 
     Runs a thread that wakes every ``cycle`` (AdapCC's 5 ms) to apply the rule to steps
     still waiting. A worker declared faulty that shows up later is told it was evicted.
+    ``min_fault_timeout`` (s) is an optional floor on the 5x timeout; 0, the default, is the
+    paper's rule.
     """
 
     def __init__(self, workers: int, global_batch: int, *, fault_factor: float = 5.0,
-                 min_fault_timeout: float = 2.0, cycle: float = 0.005, host: str = "127.0.0.1"):
+                 min_fault_timeout: float = 0.0, cycle: float = 0.005, host: str = "127.0.0.1"):
         if workers < 2:
             raise ValueError("need at least 2 workers")
         if global_batch < workers:
@@ -128,20 +132,25 @@ class FaultCoordinator:
         missing = self.members - set(st.ready)
         if missing:
             present = [st.ready[w] for w in self.members if w in st.ready]
-            if not present:
+            # phase 1 needs two ready workers (one, when a single survivor is all that can be left)
+            if len(present) < min(2, len(self.members) - 1):
                 return
-            first, complete = min(present), max(present)
+            # phase 1 starts on a decision cycle, at the earliest one cycle after the fastest
+            # worker was ready: without this a lone early pair would make the 5x span ~0
+            first = min(present)
+            complete = max(max(present), first + self.cycle)
             now = time.monotonic()
-            if now < complete + self.min_fault_timeout:
-                return
-            faulty = faulty_workers(st.ready, self.n, first, complete, now,
-                                    self.fault_factor) & missing
+            faulty = faulty_workers(st.ready, self.n, first, complete, now, self.fault_factor,
+                                    self.min_fault_timeout) & missing
             if not faulty:
                 return
             for w in sorted(faulty):
                 self.faults.append({"worker": w, "step": step, "declared_after_s":
                                     now - first, "rule_timeout_s":
-                                    self.fault_factor * (complete - first)})
+                                    self.fault_factor * (complete - first),
+                                    "applied_timeout_s": fault_timeout(
+                                        first, complete, self.fault_factor,
+                                        self.min_fault_timeout)})
             self.members -= faulty
         expected = sorted(self.members)
         max_norms = np.max([np.asarray(st.norms[w], np.float64) for w in expected], axis=0)
@@ -267,9 +276,13 @@ def _shard(x, y, members, rank):
 
 def run_job(workers: int = 4, kill_worker: int = 3, kill_step: int = 15, steps: int = 40,
             hidden: int = 64, global_batch: int = 96, lr: float = 0.05, seed: int = 0,
-            min_fault_timeout: float = 2.0, timeout: float = 20.0,
+            min_fault_timeout: float = 0.0, timeout: float = 20.0,
             deadline_s: float = 55.0) -> dict:
-    """Run the job; return per-worker logs, exit codes, fault records and decisions."""
+    """Run the job; return per-worker logs, exit codes, fault records and decisions.
+
+    ``min_fault_timeout`` = 0 applies the paper's 5x rule alone; on a loaded host pass a floor
+    (the command line passes 2 s).
+    """
     if not 0 <= kill_worker < workers or not 0 < kill_step < steps:
         raise ValueError(f"kill worker {kill_worker} at step {kill_step}: need a worker in "
                          f"0..{workers - 1} and a step in 1..{steps - 1}")
@@ -352,7 +365,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-step", type=int, default=15)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--global-batch", type=int, default=96)
-    ap.add_argument("--min-fault-timeout", type=float, default=2.0)
+    # The floor is on by default here: on the loaded shared machine this study runs on, a live
+    # worker descheduled for longer than 5x a few-ms span would be declared faulty.
+    # --min-fault-timeout 0 gives the paper's 5x rule alone.
+    ap.add_argument("--min-fault-timeout", type=float, default=2.0,
+                    help="floor (s) on the 5x fault timeout; 0 = the paper's rule alone")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     run = run_job(args.workers, args.kill_worker, args.kill_step, args.steps,
