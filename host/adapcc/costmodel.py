@@ -4,7 +4,19 @@ A *network* is a directed graph of nodes with an alpha-beta cost per edge.  Node
 
 * ``gpu``  - a worker: holds a tensor, may aggregate (a=1) and may be a root;
 * ``agg``  - an in-network aggregator (switch): holds no data, may aggregate;
-* ``nic``  - a pure relay: holds no data, never aggregates (a=0 forced).
+* ``nic``  - a pure relay: holds no data, never aggregates (a=0 forced) and never replicates, so
+  every flow crossing it keeps its own share of the links behind it.
+
+``make_cluster(nic_nodes=True)`` models each server's NIC as ``nic`` nodes: a send side ``tx`` and a
+receive side ``rx`` (the NIC is full duplex), each behind its port (``out`` / ``in``).  GPU -> tx
+over the intra-server link, tx -> out at the NIC rate (every byte the server sends crosses it),
+out -> other servers' in ports (the paper's NIC-NIC link: the network latency, and a non-blocking
+core far faster than any NIC, so the ports are what limits), in -> rx at the NIC rate (every byte
+the server receives), rx -> GPU.  Splitting the NIC
+keeps every route a simple path when a chain enters a server at one GPU and leaves it from another;
+the port links make a server's traffic to *different* servers share its NIC, which per-pair NIC-NIC
+links alone would not.  ``Network.twins`` pairs tx/rx and out/in so a route can be reversed
+(AllReduce's broadcast stage).
 
 A *strategy* is M sub-collectives.  Sub-collective m moves a partition of S_m bytes in chunks of
 C_m bytes from its flows' sources to their destinations along explicit routes (node paths), with an
@@ -17,15 +29,20 @@ Interpretations (the paper leaves these open; see docs/adapcc.md):
 * AllReduce = Reduce, then the same routes reversed as a Broadcast, pipelined: the broadcast of a
   chunk starts when it is reduced at the root, and the chunk stream moves at the slower stage's
   bottleneck.  Both stages' loads share the directed links they use.
+* Broadcast load on an edge is 1 when the edge ends at a node that holds the data (a GPU or an
+  aggregator replicates it onward); behind a ``nic`` relay it is the number of copies the relay
+  must pass on, the mirror of the Reduce load.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 NODE_KINDS = ("gpu", "agg", "nic")
+NIC_SIDES = ("tx", "rx", "out", "in")     # the four relays of one NIC (make_cluster(nic_nodes=True))
 PRIMITIVES = ("reduce", "broadcast", "allreduce")
 
 
@@ -37,6 +54,7 @@ class Network:
     kinds: list[str]
     alpha: np.ndarray
     beta: np.ndarray
+    twins: dict[int, int] = field(default_factory=dict)   # NIC send side <-> receive side
 
     def __post_init__(self):
         n = len(self.names)
@@ -50,6 +68,9 @@ class Network:
         finite = np.isfinite(self.beta)
         if np.any(self.beta[finite] <= 0) or np.any(self.alpha[finite] < 0):
             raise ValueError("beta must be > 0 and alpha >= 0 on every edge")
+        if any(self.twins.get(b) != a or self.kinds[a] != "nic" for a, b in self.twins.items()):
+            raise ValueError("twins must pair 'nic' nodes both ways")
+        self._relay_paths: dict[tuple[int, int], list[int]] = {}
 
     @property
     def n(self) -> int:
@@ -64,13 +85,64 @@ class Network:
     def gpus(self) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == "gpu"]
 
+    def twin(self, v: int) -> int:
+        return self.twins.get(v, v)
+
+    def reverse_route(self, path: list[int]) -> list[int]:
+        """The same hops run backwards: a NIC's send side becomes its receive side and back."""
+        return [self.twin(v) for v in reversed(path)]
+
+    def relay_path(self, i: int, j: int) -> list[int]:
+        """Shortest node path i -> j whose inner nodes are all ``nic`` relays (just [i, j] when the
+        edge exists): how a hop between two GPUs of different servers crosses their NICs."""
+        key = (i, j)
+        if key not in self._relay_paths:
+            self._relay_paths[key] = self._search_relay_path(i, j)
+        return self._relay_paths[key]
+
+    def _search_relay_path(self, i, j):
+        previous, queue = {i: None}, deque([i])
+        while queue:
+            v = queue.popleft()
+            for w in range(self.n):
+                if w in previous or not self.has_edge(v, w):
+                    continue
+                previous[w] = v
+                if w == j:
+                    path = [j]
+                    while previous[path[-1]] is not None:
+                        path.append(previous[path[-1]])
+                    return path[::-1]
+                if self.kinds[w] == "nic":
+                    queue.append(w)
+        raise ValueError(f"no path from {self.names[i]} to {self.names[j]} through relays")
+
+    def expand_route(self, path: list[int]) -> list[int]:
+        """Insert the NIC relays a GPU-level path needs (hops without a direct edge)."""
+        out = [path[0]]
+        for i, j in zip(path, path[1:]):
+            out.extend(self.relay_path(i, j)[1:])
+        return out
+
+    def hop_alpha_beta(self, i: int, j: int) -> tuple[float, float]:
+        """Latency (summed) and inverse bandwidth (slowest link) of the relay path i -> j."""
+        path = self.relay_path(i, j)
+        hops = list(zip(path, path[1:]))
+        return (sum(self.alpha[e] for e in hops), max(self.beta[e] for e in hops))
+
 
 def make_cluster(gpus_per_server, nic_gbps, nvlink_gbps=300.0, nvlink_alpha=5e-6,
-                 net_alpha=20e-6, aggregator_gbps=None, aggregator_alpha=5e-6) -> Network:
+                 net_alpha=20e-6, aggregator_gbps=None, aggregator_alpha=5e-6,
+                 nic_nodes=False, core_gbps=10_000.0) -> Network:
     """A cluster of servers: NVLink inside a server, NIC bandwidth between servers.
 
-    The bandwidth between GPUs of two servers is the smaller NIC.  With ``aggregator_gbps`` an
-    in-network aggregator node ``agg`` is added, linked to every GPU at min(NIC, aggregator) rate.
+    ``nic_nodes=False`` (the older, optimistic model): every cross-server GPU pair gets its own link
+    at the smaller NIC's rate, so flows from several GPUs of one server do not share its NIC.
+    ``nic_nodes=True``: each server's NIC is four ``nic`` relays (see module doc); GPU <-> NIC runs
+    over the intra-server link (the paper does not profile PCIe, it overlaps with the network), and
+    all of a server's cross-server traffic shares its NIC's two port links.  With
+    ``aggregator_gbps`` an in-network aggregator ``agg`` is added at min(NIC, aggregator) rate,
+    linked to every GPU, or to every NIC port with ``nic_nodes``.
     """
     if len(gpus_per_server) != len(nic_gbps):
         raise ValueError("give one NIC bandwidth per server")
@@ -80,29 +152,53 @@ def make_cluster(gpus_per_server, nic_gbps, nvlink_gbps=300.0, nvlink_alpha=5e-6
             names.append(f"s{s}g{g}")
             kinds.append("gpu")
             server_of.append(s)
+    n_gpu, n_servers = len(server_of), len(gpus_per_server)
+    if nic_nodes:
+        for s in range(n_servers):
+            names += [f"s{s}nic.{side}" for side in NIC_SIDES]
+            kinds += ["nic"] * len(NIC_SIDES)
     if aggregator_gbps is not None:
         names.append("agg")
         kinds.append("agg")
     n = len(names)
-    alpha = np.full((n, n), np.inf)
-    beta = np.full((n, n), np.inf)
-    n_gpu = len(server_of)
+    alpha, beta = np.full((n, n), np.inf), np.full((n, n), np.inf)
+
+    def link(i, j, gbps, lat):
+        alpha[i, j], beta[i, j] = lat, 8.0 / (gbps * 1e9)
+
+    tx, rx, out, inp = ({s: n_gpu + len(NIC_SIDES) * s + k for s in range(n_servers)}
+                        for k in range(len(NIC_SIDES)))
     for i in range(n_gpu):
         for j in range(n_gpu):
-            if i == j:
-                continue
-            if server_of[i] == server_of[j]:
-                gbps, lat = nvlink_gbps, nvlink_alpha
-            else:
-                gbps, lat = min(nic_gbps[server_of[i]], nic_gbps[server_of[j]]), net_alpha
-            alpha[i, j], beta[i, j] = lat, 8.0 / (gbps * 1e9)
-    if aggregator_gbps is not None:
-        a = n - 1
+            if i != j and server_of[i] == server_of[j]:
+                link(i, j, nvlink_gbps, nvlink_alpha)
+            elif i != j and not nic_nodes:
+                link(i, j, min(nic_gbps[server_of[i]], nic_gbps[server_of[j]]), net_alpha)
+    twins = {}
+    if nic_nodes:
         for i in range(n_gpu):
-            gbps = min(nic_gbps[server_of[i]], aggregator_gbps)
-            for x, y in ((i, a), (a, i)):
-                alpha[x, y], beta[x, y] = aggregator_alpha, 8.0 / (gbps * 1e9)
-    return Network(names, kinds, alpha, beta)
+            link(i, tx[server_of[i]], nvlink_gbps, nvlink_alpha)
+            link(rx[server_of[i]], i, nvlink_gbps, nvlink_alpha)
+        for a in range(n_servers):
+            twins.update({tx[a]: rx[a], rx[a]: tx[a], out[a]: inp[a], inp[a]: out[a]})
+            link(tx[a], out[a], nic_gbps[a], 0.0)       # latency is charged on the wire below
+            link(inp[a], rx[a], nic_gbps[a], 0.0)
+            for b in range(n_servers):
+                if a != b:
+                    link(out[a], inp[b], core_gbps, net_alpha)
+    if aggregator_gbps is not None:
+        agg = n - 1
+        if nic_nodes:
+            for s in range(n_servers):
+                gbps = min(nic_gbps[s], aggregator_gbps)
+                link(out[s], agg, gbps, aggregator_alpha)
+                link(agg, inp[s], gbps, aggregator_alpha)
+        else:
+            for i in range(n_gpu):
+                gbps = min(nic_gbps[server_of[i]], aggregator_gbps)
+                link(i, agg, gbps, aggregator_alpha)
+                link(agg, i, gbps, aggregator_alpha)
+    return Network(names, kinds, alpha, beta, twins)
 
 
 @dataclass
@@ -211,16 +307,34 @@ def _reduce_loads(net, sub) -> dict[tuple[int, int], int]:
     return load
 
 
+def _broadcast_loads(net, paths) -> dict[tuple[int, int], int]:
+    """Copies per edge of a Broadcast along ``paths`` (root first): one copy into a node that
+    holds the data (it replicates onward), the sum of what follows it into a ``nic`` relay."""
+    edges = {(i, j) for p in paths for i, j in zip(p, p[1:])}
+    nodes = {v for e in edges for v in e}
+    load: dict[tuple[int, int], int] = {}
+    for j in reversed(_topological(nodes, edges)):
+        downstream = sum(v for (i, _), v in load.items() if i == j)
+        for e in edges:
+            if e[1] == j:
+                load[e] = downstream if net.kinds[j] == "nic" else 1
+    return load
+
+
 def stage_loads(net: Network, strategy: Strategy) -> dict[tuple[int, int], int]:
-    """Total load per directed edge over all sub-collectives and stages (Eq. 3's denominator)."""
+    """Total load per directed edge over all sub-collectives and stages (Eq. 3's denominator).
+
+    Loads add up over every flow, stage and sub-collective that crosses an edge, so flows that
+    share a NIC link each get their share of its bandwidth."""
     total: dict[tuple[int, int], int] = {}
     for sub in strategy.subs:
         if strategy.primitive == "broadcast":
-            parts = [{(i, j): 1 for p in sub.routes.values() for i, j in zip(p, p[1:])}]
+            parts = [_broadcast_loads(net, sub.routes.values())]
         else:
             parts = [_reduce_loads(net, sub)]
             if strategy.primitive == "allreduce":
-                parts.append({(j, i): 1 for p in sub.routes.values() for i, j in zip(p, p[1:])})
+                parts.append(_broadcast_loads(net, [net.reverse_route(p)
+                                                    for p in sub.routes.values()]))
         for part in parts:
             for e, v in part.items():
                 total[e] = total.get(e, 0) + v
@@ -282,7 +396,7 @@ def evaluate(net: Network, strategy: Strategy) -> Evaluation:
         if strategy.primitive == "reduce":
             times.append(max(h[f][sub.root] + k * bott[f] for f in sub.routes))
             continue
-        reversed_paths = {src: list(reversed(p)) for src, p in sub.routes.items()}
+        reversed_paths = {src: net.reverse_route(p) for src, p in sub.routes.items()}
         arrival, bbott = _broadcast_stage(net, loads, sub, reversed_paths)
         root_ready = max(h[f][sub.root] for f in sub.routes)
         stream = max(max(bott.values()), max(bbott.values()))
@@ -294,6 +408,6 @@ def sequential_allreduce_time(net: Network, strategy: Strategy) -> float:
     """Reduce then Broadcast run one after the other (the non-pipelined reference for T10)."""
     reduce = Strategy("reduce", strategy.subs)
     bsubs = [SubCollective(s.root, s.size, s.chunk,
-                           {src: list(reversed(p)) for src, p in s.routes.items()}, s.aggregate)
+                           {src: net.reverse_route(p) for src, p in s.routes.items()}, s.aggregate)
              for s in strategy.subs]
     return evaluate(net, reduce).time + evaluate(net, Strategy("broadcast", bsubs)).time

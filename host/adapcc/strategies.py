@@ -1,7 +1,9 @@
 """Hand-built strategies (ring/chain, binary tree, star/PS) and the par-trees heuristic.
 
 Every builder returns a ``Strategy`` whose M sub-collectives each move S/M bytes.  Reduce routes are
-trees given as parent maps; Broadcast uses the same trees with the edges reversed.
+trees given as parent maps over GPUs (and aggregators); Broadcast uses the same trees with the edges
+reversed.  A parent hop with no direct edge (two servers' GPUs when the network has ``nic`` nodes)
+is routed through the NICs (``Network.expand_route``), so the NIC links are shared and charged.
 """
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ import numpy as np
 from .costmodel import Network, Strategy, SubCollective, tree_routes
 
 
-def _sub_from_parent(net, parent, root, size, chunk, primitive) -> SubCollective:
-    routes = tree_routes(parent, root)
+def _sub_from_routes(net, routes, root, size, chunk, primitive) -> SubCollective:
+    """Routes are Reduce paths at GPU/aggregator level: add the NIC relays, reverse for Broadcast."""
+    routes = {src: net.expand_route(p) for src, p in routes.items()}
     aggregate = frozenset(i for i in range(net.n) if net.kinds[i] != "nic")
     if primitive == "broadcast":
-        routes = {src: list(reversed(p)) for src, p in routes.items()}
+        routes = {src: net.reverse_route(p) for src, p in routes.items()}
     return SubCollective(root, size, chunk, routes, aggregate)
+
+
+def _sub_from_parent(net, parent, root, size, chunk, primitive) -> SubCollective:
+    return _sub_from_routes(net, tree_routes(parent, root), root, size, chunk, primitive)
 
 
 def from_parents(net: Network, primitive: str, parents: list[dict[int, int]], roots: list[int],
@@ -68,17 +75,10 @@ def aggregator_star(net, primitive, root, total_bytes, n_chunks=8, m=1) -> Strat
     aggs = [i for i, k in enumerate(net.kinds) if k == "agg"]
     if not aggs:
         raise ValueError("the network has no 'agg' node; build it with make_cluster(aggregator_gbps=...)")
-    parent = {g: aggs[0] for g in net.gpus() if g != root}
-    parent[aggs[0]] = root
-    subs = []
     size = total_bytes / m
-    for _ in range(m):
-        routes = {g: [g, aggs[0], root] for g in net.gpus() if g != root}
-        agg_flags = frozenset(i for i in range(net.n) if net.kinds[i] != "nic")
-        if primitive == "broadcast":
-            routes = {g: list(reversed(p)) for g, p in routes.items()}
-        subs.append(SubCollective(root, size, size / n_chunks, routes, agg_flags))
-    return Strategy(primitive, subs)
+    routes = {g: [g, aggs[0], root] for g in net.gpus() if g != root}
+    return Strategy(primitive, [_sub_from_routes(net, routes, root, size, size / n_chunks, primitive)
+                                for _ in range(m)])
 
 
 def par_trees(net: Network, primitive: str, total_bytes: float, m: int = 4, n_chunks: int = 8,
@@ -98,7 +98,8 @@ def par_trees(net: Network, primitive: str, total_bytes: float, m: int = 4, n_ch
     bdp = []
     for k, rep in enumerate(reps):
         nxt = reps[(k + 1) % len(reps)]
-        bdp.append(0.0 if nxt == rep else net.alpha[rep, nxt] / net.beta[rep, nxt])
+        a, b = (0.0, 1.0) if nxt == rep else net.hop_alpha_beta(rep, nxt)
+        bdp.append(a / b)
     order = [reps[k] for k in np.argsort(-np.asarray(bdp), kind="stable")]
     n_trees = max(1, min(len(reps), m))
     parents, roots = [], []

@@ -11,7 +11,17 @@ the best kept).  On this family the MILP objective equals ``costmodel.evaluate``
   which also makes the trees acyclic when alpha > 0;
 * the bottleneck B_m >= h_j - h_i on used edges (Eq. 6) and T >= h_root + K * B_m (Eqs. 4-5).
 
-``nic`` nodes (a = 0 forced) make loads non-binary and are left to the heuristic.
+``nic`` relay nodes (a = 0 forced) are optional Steiner nodes too, but they forward every flow
+unmerged, so the load on an edge leaving a relay is an integer, not a binary: L = y out of a GPU or
+aggregator, and at a relay the loads out equal the loads in (integer flow conservation), each
+L_e <= n_gpus * y_e.  Per flow, h only grows by t across a relay, so:
+
+* h at a relay is still the max over its children (a downstream merge takes the max anyway);
+* a hop into a relay has bottleneck t_e itself; a hop out of a relay into a merging node j has
+  bottleneck h_j - hmin_relay, hmin = the earliest flow's arrival there, bounded above by every
+  child's hmin + t (the objective pushes it up to that min, so no selector is needed);
+* AllReduce's broadcast stage uses the twin edges (a NIC's send side becomes its receive side)
+  and carries the same integer loads: a relay passes on one copy per GPU behind it.
 """
 from __future__ import annotations
 
@@ -65,9 +75,15 @@ class _Model:
         c = np.zeros(n)
         c[objective_var] = 1.0
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.rlo), n)).tocsr()
-        return milp(c, constraints=LinearConstraint(a, self.rlo, self.rhi),
-                    integrality=np.asarray(self.integral), bounds=Bounds(self.lb, self.ub),
-                    options={"time_limit": time_limit, "disp": False})
+        args = dict(constraints=LinearConstraint(a, self.rlo, self.rhi),
+                    integrality=np.asarray(self.integral), bounds=Bounds(self.lb, self.ub))
+        res = milp(c, **args, options={"time_limit": time_limit, "disp": False})
+        if res.status == 4:
+            # HiGHS' presolve sometimes fails on the big-M rows of relay (nic) models with
+            # "Solve error"; the same model solves without it
+            res = milp(c, **args, options={"time_limit": time_limit, "disp": False,
+                                           "presolve": False})
+        return res
 
 
 def _add(terms: dict, var: int, coef: float):
@@ -81,10 +97,12 @@ class _TreeMilp:
                  root: int | None):
         self.net, self.primitive, self.m, self.n_chunks, self.root = net, primitive, m, n_chunks, root
         self.gpus, self.nodes, self.edges = net.gpus(), range(net.n), net.edges()
+        self.relays = {i for i in self.nodes if net.kinds[i] == "nic"}
         self.size = total_bytes / m
         self.chunk = self.size / n_chunks
         self.alpha, self.beta = net.alpha * US, net.beta * US
-        lmax = m * (2 if primitive == "allreduce" else 1)
+        per_tree = len(self.gpus) if self.relays else 1     # a relay may carry every GPU's flow
+        lmax = m * per_tree * (2 if primitive == "allreduce" else 1)
         tmax = max(self.alpha[e] + self.beta[e] * self.chunk * lmax for e in self.edges)
         self.big_h = (net.n + 1) * tmax                    # bound on any chunk ready time
         self.big_t = (n_chunks + 3) * self.big_h + tmax    # bound on any completion time
@@ -96,7 +114,10 @@ class _TreeMilp:
         self.r = {(k, g): md.var(0, 1, True) for k in ks for g in self.gpus}    # root
         self.used = {(k, i): md.var(0, 1, True) for k in ks for i in self.nodes
                      if i not in self.gpus}                                        # Steiner node
+        self.load = {(k, e): (self.y[(k, e)] if e[0] not in self.relays
+                              else md.var(0, per_tree, True)) for k in ks for e in self.edges}
         self.h = {(k, i): md.var(0, big_h) for k in ks for i in self.nodes}     # reduce ready
+        self.hmin = {(k, i): md.var(0, big_h) for k in ks for i in self.relays}  # earliest flow
         self.hb = {(k, i): md.var(0, big_h) for k in ks for i in self.nodes}    # bcast arrival
         self.b_red = {k: md.var(0, big_h) for k in ks}
         self.b_bc = {k: md.var(0, big_h) for k in ks}
@@ -106,15 +127,32 @@ class _TreeMilp:
     def edge_time(self, i, j, sign=1.0) -> dict:
         """Variable terms of t_ij = alpha_ij + beta_ij * C * load_ij (the constant is separate).
 
-        The load counts Reduce trees on i->j and Broadcast (reversed) trees on i->j."""
+        The load counts Reduce trees on i->j and Broadcast (reversed) trees on i->j, whose Reduce
+        edge is the twin one (twin j -> twin i)."""
         terms = {}
         per_unit = self.beta[i, j] * self.chunk * sign
+        mirrored = (self.net.twin(j), self.net.twin(i))
         for kk in range(self.m):
-            if (kk, (i, j)) in self.y and self.primitive != "broadcast":
-                _add(terms, self.y[(kk, (i, j))], per_unit)
-            if (kk, (j, i)) in self.y and self.primitive != "reduce":
-                _add(terms, self.y[(kk, (j, i))], per_unit)
+            if (kk, (i, j)) in self.load and self.primitive != "broadcast":
+                _add(terms, self.load[(kk, (i, j))], per_unit)
+            if (kk, mirrored) in self.load and self.primitive != "reduce":
+                _add(terms, self.load[(kk, mirrored)], per_unit)
         return terms
+
+    def relay_load_rows(self, k):
+        """Integer loads behind relays: what enters a relay leaves it, only on used edges."""
+        md, load = self.md, self.load
+        for i in self.relays:
+            terms = {load[(k, e)]: 1.0 for e in self.edges if e[0] == i}
+            for e in self.edges:
+                if e[1] == i:
+                    _add(terms, load[(k, e)], -1.0)
+            md.row(terms, 0, 0)
+        for e in self.edges:
+            if e[0] in self.relays:
+                yv, lv = self.y[(k, e)], load[(k, e)]
+                md.row({lv: 1.0, yv: -float(len(self.gpus))}, -np.inf, 0)
+                md.row({lv: 1.0, yv: -1.0}, 0, np.inf)
 
     def tree_rows(self, k):
         """Each GPU has one parent unless it is the root; used Steiner nodes relay."""
@@ -160,16 +198,36 @@ class _TreeMilp:
                 _add(upper, v, c)
             md.row(lower, self.alpha[e] - big_h, np.inf)
             md.row(upper, -np.inf, self.alpha[e] + big_h)
-            # Eq. 6: the bottleneck covers every used edge's h_j - h_i
-            md.row({self.b_red[k]: 1.0, h[(k, j)]: -1.0, h[(k, i)]: 1.0, yv: -big_h},
-                   -big_h, np.inf)
+            self.bottleneck_row(k, e, t)
+
+    def earliest(self, k, i) -> int:
+        """The earliest flow's ready time at node i: h itself where flows merge."""
+        return self.hmin[(k, i)] if i in self.relays else self.h[(k, i)]
+
+    def bottleneck_row(self, k, e, neg_t):
+        """Eq. 6 per flow: B covers h_j - h_i on every used hop (see module doc for relays)."""
+        md, big_h, (i, j) = self.md, self.big_h, e
+        yv, b = self.y[(k, e)], self.b_red[k]
+        if j in self.relays:
+            # a flow reaches a relay t_ij after it left i: the hop lasts exactly t_ij
+            md.row({b: 1.0, **neg_t, yv: -big_h}, self.alpha[e] - big_h, np.inf)
+            # ... and the earliest flow there is no later than any child's earliest + t_ij
+            terms = {self.hmin[(k, j)]: 1.0, yv: big_h}
+            _add(terms, self.earliest(k, i), -1.0)
+            for v, c in neg_t.items():
+                _add(terms, v, c)
+            md.row(terms, -np.inf, self.alpha[e] + big_h)
+            return
+        terms = {b: 1.0, self.h[(k, j)]: -1.0, yv: -big_h}
+        _add(terms, self.earliest(k, i), 1.0)
+        md.row(terms, -big_h, np.inf)
 
     def broadcast_rows(self, k):
         """The reversed tree: arrival grows by t per hop; bottleneck = slowest used hop."""
         md, hb, big_h = self.md, self.hb, self.big_h
         for e in self.edges:
-            i, j = e
             yv = self.y[(k, e)]
+            i, j = self.net.twin(e[0]), self.net.twin(e[1])     # broadcast runs j -> i
             t = self.edge_time(j, i, -1.0)
             arrive = {hb[(k, i)]: 1.0, hb[(k, j)]: -1.0, yv: -big_h}
             slowest = {self.b_bc[k]: 1.0, yv: -big_h}
@@ -211,6 +269,7 @@ class _TreeMilp:
     def build(self):
         for k in range(self.m):
             self.tree_rows(k)
+            self.relay_load_rows(k)
             self.reduce_rows(k)
             self.broadcast_rows(k)
             self.objective_rows(k)
@@ -224,7 +283,7 @@ class _TreeMilp:
             parent = {e[0]: e[1] for e in self.edges if x[self.y[(k, e)]] > 0.5}
             routes = {g: p for g, p in tree_routes(parent, tree_root).items() if g in self.gpus}
             if self.primitive == "broadcast":
-                routes = {g: list(reversed(p)) for g, p in routes.items()}
+                routes = {g: self.net.reverse_route(p) for g, p in routes.items()}
             subs.append(SubCollective(tree_root, self.size, self.chunk, routes,
                                       frozenset(i for i in self.nodes
                                                 if self.net.kinds[i] != "nic")))
@@ -234,8 +293,6 @@ class _TreeMilp:
 def solve_milp(net: Network, primitive: str, total_bytes: float, m: int = 1, n_chunks: int = 4,
                root: int | None = None, time_limit: float = 20.0) -> MilpResult | None:
     """Optimal trees for one chunk count; ``root=None`` lets the solver choose each root."""
-    if "nic" in net.kinds:
-        raise ValueError("the MILP handles 'gpu' and 'agg' nodes only; use par_trees for nic nodes")
     if primitive not in ("reduce", "broadcast", "allreduce"):
         raise ValueError(f"MILP primitive {primitive!r} unsupported")
     if root is not None and root not in net.gpus():
@@ -303,7 +360,7 @@ class Synthesizer:
             t = evaluate(net, cand).time
             if best is None or t < best.modeled_time:
                 best = Synthesis(cand, t, name)
-        if net.n <= self.milp_max_nodes and "nic" not in net.kinds:
+        if net.n <= self.milp_max_nodes:
             res = optimize(net, self.primitive, self.total_bytes, self.m, self.root,
                            time_limit=self.time_limit)
             t = evaluate(net, res.strategy).time

@@ -171,3 +171,85 @@ def test_milp_free_roots_and_time_limit():
     limited = solve_milp(net, "allreduce", 16 * MB, m=2, n_chunks=4, root=None, time_limit=0.05)
     if limited is not None:                            # a feasible incumbent is still valid
         evaluate(net, limited.strategy)
+
+
+# --- NIC nodes: a server's cross-server traffic shares its NIC ------------------------------
+
+TESTBED = dict(gpus_per_server=[4] * 6, nic_gbps=[100, 100, 100, 100, 50, 50])
+
+
+def servers_of(gpus_per_server):
+    out, k = [], 0
+    for count in gpus_per_server:
+        out.append(list(range(k, k + count)))
+        k += count
+    return out
+
+
+def test_nic_nodes_make_a_servers_flows_share_its_nic():
+    shared = make_cluster([2, 1], [100, 100], net_alpha=0.0, nic_nodes=True)
+    private = make_cluster([2, 1], [100, 100], net_alpha=0.0)
+    root = 2                                             # the GPU of server 1
+    star_shared = S.star(shared, "reduce", root, MB, n_chunks=1)
+    star_private = S.star(private, "reduce", root, MB, n_chunks=1)
+    tx_out = (shared.names.index("s0nic.tx"), shared.names.index("s0nic.out"))
+    assert stage_loads(shared, star_shared)[tx_out] == 2        # both GPUs' flows, unmerged
+    assert evaluate(shared, star_shared).loads[tx_out] == 2
+    # the same star costs more once the two flows share server 0's NIC
+    assert evaluate(shared, star_shared).time > 1.5 * evaluate(private, star_private).time
+
+
+@pytest.mark.parametrize("prim", ["reduce", "allreduce", "broadcast"])
+def test_hand_built_strategies_route_over_nic_nodes(prim):
+    net = make_cluster([2, 2, 1], [100, 50, 100], nic_nodes=True, aggregator_gbps=100)
+    nics = {i for i, k in enumerate(net.kinds) if k == "nic"}
+    for build in (*HAND_BUILT.values(), S.aggregator_star):
+        strat = build(net, prim, 0, 8 * MB, n_chunks=4, m=2)
+        assert evaluate(net, strat).time > 0                   # routes are valid paths
+        crossing = [p for s in strat.subs for p in s.routes.values() if set(p) & nics]
+        assert crossing, build.__name__                        # cross-server hops use the NICs
+    partrees = S.par_trees(net, prim, 8 * MB, 2, 4, servers_of([2, 2, 1]),
+                           0 if prim != "allreduce" else None)
+    evaluate(net, partrees)
+
+
+def test_broadcast_through_a_nic_relay_carries_one_copy_per_gpu_behind_it():
+    net = make_cluster([1, 2], [100, 100], nic_nodes=True)
+    strat = S.star(net, "broadcast", 0, MB, n_chunks=1)      # GPU 0 sends to both GPUs of s1
+    loads = stage_loads(net, strat)
+    assert loads[(net.names.index("s1nic.in"), net.names.index("s1nic.rx"))] == 2
+
+
+@pytest.mark.parametrize("prim", ["reduce", "allreduce"])
+def test_synthesizer_never_slower_than_hand_built_on_testbed_with_nics(prim):
+    net = make_cluster(**TESTBED, nic_nodes=True)
+    root = 0 if prim == "reduce" else None
+    synth = Synthesizer(prim, 256 * MB, m=4, root=root, milp_max_nodes=0,
+                        servers=servers_of(TESTBED["gpus_per_server"])).synthesize(net)
+    assert synth.modeled_time == pytest.approx(evaluate(net, synth.strategy).time)
+    for name, t in best_hand_built(net, prim, 0, 256 * MB, m=4).items():
+        assert synth.modeled_time <= t * (1 + 1e-9), name
+    # the no-NIC model's pick (a star) is far slower once the NIC is shared
+    star = best_hand_built(net, prim, 0, 256 * MB, m=4)["star"]
+    assert star > 2 * synth.modeled_time
+
+
+@pytest.mark.parametrize("prim,m", [("reduce", 1), ("reduce", 2), ("broadcast", 2),
+                                    ("allreduce", 1), ("allreduce", 2)])
+def test_milp_with_nic_relays_objective_equals_evaluate(prim, m):
+    net = make_cluster([2, 1, 1], [100, 25, 100], nic_nodes=True)
+    root = None if prim == "allreduce" else 0
+    res = solve_milp(net, prim, 32 * MB, m=m, n_chunks=4, root=root, time_limit=60)
+    assert res.optimal
+    assert evaluate(net, res.strategy).time == pytest.approx(res.objective, rel=1e-6)
+    for name, build in HAND_BUILT.items():                     # same chunk count, same M
+        t = evaluate(net, build(net, prim, 0, 32 * MB, n_chunks=4, m=m)).time
+        assert res.objective <= t * (1 + 1e-9), name
+
+
+def test_milp_with_nic_relays_and_aggregator():
+    net = make_cluster([1, 1, 1], [100, 100, 50], aggregator_gbps=100, nic_nodes=True)
+    res = solve_milp(net, "reduce", 16 * MB, m=2, n_chunks=8, root=0)
+    assert evaluate(net, res.strategy).time == pytest.approx(res.objective, rel=1e-6)
+    ps = evaluate(net, S.aggregator_star(net, "reduce", 0, 16 * MB, n_chunks=8, m=2)).time
+    assert res.objective <= ps * (1 + 1e-9)
