@@ -17,6 +17,10 @@ Runs, each training the main job's MLP (host.experiments.main_job's model and da
   bounded loss p = --loss-bound;
 * "off": every packet best effort (DSCP 0, Not-ECT: only buffer drops), exact (p = 0),
   today's behaviour without DLCP.
+With `--background-pps R`, a sixth namespace sends R datagrams/s of other traffic to the
+aggregator's host, Not-ECT, in the queue THC's front band uses (DSCP of band 0 with DLCP,
+DSCP 0 without: in both runs it shares a queue with THC's packets): the situation DLCP is
+for, where what is dropped first when that queue builds up should be the unimportant.
 Reported per run: allreduce time per call (median, p99, max), the switch's drops
 (selective = Not-ECT above a threshold, buffer = queue full) and CE marks, the chunks
 decoded as lost, retransmissions, and the final test accuracy.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 import traceback
 
@@ -38,8 +43,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thc
-from dataplane.config import (Dlcp, Job, Member, SwitchConfig, default_thresholds,
-                              window_thresholds)
+from dataplane.config import (Dlcp, Job, Member, SwitchConfig, band_to_dscp,
+                              default_thresholds, window_thresholds)
 from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
 from dataplane.udp_service import serve
 from host.ddp_hook import thc_hook, thc_hook_state
@@ -52,6 +57,27 @@ from host.transport import default_policy
 AGG_UDP_PORT = 47100           # outside 50000-50015: the switch routes it, does not add it
 WORKER_UDP_PORT = 47200
 GLOO_PORT = 47300
+BACKGROUND_PORT = 47400        # nothing listens: the datagrams only load the queue
+BACKGROUND_BYTES = 600         # about a THC DATA packet of 1024 values
+BACKGROUND_BATCH_S = 0.001     # paced in 1 ms batches
+
+
+def _background(ns: str, dst: str, pps: float, tos: int) -> None:
+    """Send pps datagrams/s to dst with this IP TOS until killed (a process of its own)."""
+    enter_netns(ns)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+    payload = bytes(BACKGROUND_BYTES)
+    sent, t0 = 0, time.monotonic()
+    while True:
+        due = int((time.monotonic() - t0) * pps)
+        for _ in range(due - sent):
+            try:
+                sock.sendto(payload, (dst, BACKGROUND_PORT))
+            except OSError:           # a full socket buffer or an ICMP error: keep pacing
+                pass
+        sent = max(sent, due)
+        time.sleep(BACKGROUND_BATCH_S)
 
 
 def _worker(rank, cfg, queue):
@@ -108,11 +134,13 @@ def run_mode(mode: str, args) -> dict:
     world = args.workers
     # offloads off: plain MTU-sized frames (the switch's af_packet rings take no TSO/GRO
     # super-frames)
-    with Topology(world + 1, layout="routed", offloads=False,
+    extra = 1 if args.background_pps else 0
+    with Topology(world + 1 + extra, layout="routed", offloads=False,
                   tag=f"ic{os.getpid() % 10000}") as tb:
         agg_host = tb.receiver
+        workers = tb.senders[:world]
         members = [Member(worker=w, port=w, mac=h.mac, ip=h.ip, udp_port=WORKER_UDP_PORT)
-                   for w, h in enumerate(tb.senders)]
+                   for w, h in enumerate(workers)]
         job = Job.from_thc(1, args.pool, members, values_per_packet=args.vpp)
         service = in_netns(agg_host.ns, serve,
                            SwitchConfig(ip=agg_host.ip, jobs=(job,)).validate(),
@@ -125,9 +153,9 @@ def run_mode(mode: str, args) -> dict:
                             af_packet_vdevs([h.switch_if for h in tb.hosts]),
                             port_rates={agg_host.port: args.rate_pps})
         switch.start()
-        cfg = {"mode": mode, "world": world, "netns": [h.ns for h in tb.senders],
-               "ifnames": [h.host_if for h in tb.senders], "ips": [h.ip for h in tb.senders],
-               "init": f"tcp://{tb.senders[0].ip}:{GLOO_PORT}",
+        cfg = {"mode": mode, "world": world, "netns": [h.ns for h in workers],
+               "ifnames": [h.host_if for h in workers], "ips": [h.ip for h in workers],
+               "init": f"tcp://{workers[0].ip}:{GLOO_PORT}",
                "aggregator": f"{agg_host.ip}:{AGG_UDP_PORT}", "pool": args.pool,
                "vpp": args.vpp, "partition_size": args.partition_size, "seed": args.seed,
                "hidden": args.hidden, "bucket_mb": args.bucket_mb, "lr": args.lr,
@@ -136,6 +164,12 @@ def run_mode(mode: str, args) -> dict:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, cfg, queue)) for r in range(world)]
+        if extra:
+            # Not-ECT in the queue THC's front band uses in this mode.
+            tos = (band_to_dscp(0) if mode == "dlcp" else 0) << 2
+            procs.append(ctx.Process(target=_background, daemon=True,
+                                     args=(tb.senders[world].ns, agg_host.ip,
+                                           args.background_pps, tos)))
         t0 = time.monotonic()
         for p in procs:
             p.start()
@@ -151,7 +185,7 @@ def run_mode(mode: str, args) -> dict:
                         break
         finally:
             for p in procs:
-                p.join(10)
+                p.join(10 if p in procs[:world] else 0)   # the background never ends
                 if p.is_alive():
                     p.kill()
             stats = switch.stop()
@@ -160,7 +194,9 @@ def run_mode(mode: str, args) -> dict:
     crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
     if crashed or len(results) < world:
         raise RuntimeError(f"{mode}: workers failed: {crashed or sorted(results)}")
-    return summarize(mode, results, stats, str(agg_host.port), wall)
+    summary = summarize(mode, results, stats, str(agg_host.port), wall)
+    summary["background_pps"] = args.background_pps
+    return summary
 
 
 def summarize(mode, results, stats, port, wall) -> dict:
@@ -207,8 +243,13 @@ def add_arguments(ap) -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loss-bound", type=float, default=0.1)
-    ap.add_argument("--loss-wait", type=float, default=0.0,
-                    help="retransmission timeouts to wait for the missing chunks")
+    ap.add_argument("--loss-wait", type=float, default=2.0,
+                    help="retransmission timeouts to wait for the missing chunks once 1 - p "
+                         "of them are in (the hook's default, 2; 0: DLCP's immediate finish, "
+                         "which gives up chunks that are only late)")
+    ap.add_argument("--background-pps", type=float, default=0.0,
+                    help="other traffic into the aggregator's port, Not-ECT, in the queue "
+                         "of THC's front band (datagrams/s; 0 = none)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
 
 
