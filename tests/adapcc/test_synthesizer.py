@@ -6,6 +6,7 @@ from host.adapcc import strategies as S
 from host.adapcc.costmodel import (Network, Strategy, SubCollective, evaluate, make_cluster,
                                    sequential_allreduce_time, stage_loads)
 from host.adapcc.synthesizer import Synthesizer, optimize, solve_milp
+from host.experiments.adapcc.study import servers_of
 
 MB = 1e6
 HAND_BUILT = {"ring": S.ring, "binary_tree": S.binary_tree, "star": S.star}
@@ -176,14 +177,6 @@ def test_milp_free_roots_and_time_limit():
 # --- NIC nodes: a server's cross-server traffic shares its NIC ------------------------------
 
 TESTBED = dict(gpus_per_server=[4] * 6, nic_gbps=[100, 100, 100, 100, 50, 50])
-
-
-def servers_of(gpus_per_server):
-    out, k = [], 0
-    for count in gpus_per_server:
-        out.append(list(range(k, k + count)))
-        k += count
-    return out
 
 
 def test_nic_nodes_make_a_servers_flows_share_its_nic():

@@ -48,7 +48,8 @@ LARGE_CASES = {
 }
 
 
-def _servers(gpus):
+def servers_of(gpus):
+    """GPU indices grouped by server, for a cluster of gpus[s] GPUs on server s."""
     out, k = [], 0
     for count in gpus:
         out.append(list(range(k, k + count)))
@@ -76,7 +77,7 @@ def synthesis_experiment(size=256 * MB, m_small=1, m_large=4, nic_nodes=True) ->
             row["star"] = _best(net, S.star, prim, size, m)
             root = 0 if prim == "reduce" else None
             row["par_trees"] = min(evaluate(net, S.par_trees(net, prim, size, m, k,
-                                                             _servers(case["gpus"]), root)).time
+                                                             servers_of(case["gpus"]), root)).time
                                    for k in CHUNK_COUNTS)
             if "agg" in case:
                 row["aggregator_star"] = _best(net, S.aggregator_star, prim, size, m)
@@ -92,7 +93,7 @@ def synthesis_experiment(size=256 * MB, m_small=1, m_large=4, nic_nodes=True) ->
                 row["synthesizer"], row["synthesizer_method"] = row[method], method
             else:
                 synth = Synthesizer(prim, size, m=m, root=root, milp_max_nodes=0,
-                                    servers=_servers(case["gpus"])).synthesize(net)
+                                    servers=servers_of(case["gpus"])).synthesize(net)
                 row["synthesizer"], row["synthesizer_method"] = synth.modeled_time, synth.method
             row["speedup_vs_ring"] = row["ring"] / row["synthesizer"]
             row["speedup_vs_binary_tree"] = row["binary_tree"] / row["synthesizer"]
