@@ -48,15 +48,31 @@ class SelectiveReduce:
 
     def __init__(self):
         self.partials_since_full = 0
-        # wasted wait: a slot between two passes in which waiting groups saw no new ready worker
+        # the paper's wasted wait: when each queued worker's group was first told to wait
+        self._wait_started: dict[int, float] = {}
+        # idle slots (our earlier metric): a slot between two passes in which waiting groups saw
+        # no new ready worker anywhere in the cluster
         self._waiting_since: tuple[float, int, int] | None = None   # (time, workers, arrivals)
 
-    def _account_wasted_wait(self, sim) -> None:
+    def _account_idle_slots(self, sim) -> None:
         if self._waiting_since is not None:
             since, workers, arrivals = self._waiting_since
             if sim.arrivals == arrivals:
-                sim.add_wasted_wait((sim.now - since) * workers)
+                sim.add_idle_slot_wait((sim.now - since) * workers)
         self._waiting_since = None
+
+    def _mark_waiting(self, sim, group) -> None:
+        for w, _ in group:
+            self._wait_started.setdefault(w, sim.now)
+
+    def _account_wasted_wait(self, sim, members) -> None:
+        """Paper Sec. IV-A2: a member's wait is wasted if no worker that became ready after the
+        wait began joined the group it finally launches with."""
+        newest_ready = max(sim.ready_at[w] for w in members)
+        for w in members:
+            started = self._wait_started.pop(w, None)
+            if started is not None and newest_ready <= started:
+                sim.add_wasted_wait(sim.now - started)
 
     def _full_sync_due(self, sim) -> bool:
         c = sim.cfg.full_sync_every
@@ -64,9 +80,10 @@ class SelectiveReduce:
 
     def schedule(self, sim) -> None:
         cfg = sim.cfg
-        self._account_wasted_wait(sim)
+        self._account_idle_slots(sim)
         if self._full_sync_due(sim):
             if len(sim.queue) == cfg.n:
+                self._account_wasted_wait(sim, sim.queue)
                 sim.launch(list(sim.queue))
                 self.partials_since_full = 0
             return
@@ -93,12 +110,14 @@ class SelectiveReduce:
                 self._launch(sim, [w for w, _ in group])
             elif len(group) >= cfg.p:
                 waiting += len(group)
+                self._mark_waiting(sim, group)
             if self._full_sync_due(sim):
                 break
         if waiting:
             self._waiting_since = (sim.now, waiting, sim.arrivals)
 
     def _launch(self, sim, members) -> None:
+        self._account_wasted_wait(sim, members)
         sim.launch(members)
         self.partials_since_full += 1
 

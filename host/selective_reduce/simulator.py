@@ -69,7 +69,8 @@ class SimResult:
     scheme: str
     syncs: list[SyncRecord] = field(default_factory=list)
     iterations: int = 0
-    wasted_wait: float = 0.0       # summed over workers
+    wasted_wait: float = 0.0       # the paper's definition, summed over workers (policies.py)
+    idle_slot_wait: float = 0.0    # waiting groups x slots with no arrival anywhere, summed
     deadlocked: bool = False
     n: int = 0
 
@@ -95,6 +96,7 @@ class SimResult:
                 "avg_scale": self.avg_scale, "total_syncs": self.total_syncs,
                 "total_iterations": self.iterations,
                 "wasted_wait_per_worker": float(self.wasted_wait) / max(1, self.n),
+                "idle_slot_wait_per_worker": float(self.idle_slot_wait) / max(1, self.n),
                 "deadlocked": self.deadlocked}
 
 
@@ -156,6 +158,9 @@ class Simulation:
 
     def add_wasted_wait(self, worker_seconds: float) -> None:
         self.result.wasted_wait += worker_seconds
+
+    def add_idle_slot_wait(self, worker_seconds: float) -> None:
+        self.result.idle_slot_wait += worker_seconds
 
     def run(self) -> SimResult:
         for w in range(self.cfg.n):

@@ -1,7 +1,7 @@
 """Convergence harness (extension): models average on syncs and training makes progress."""
 import numpy as np
 
-from host.experiments.selective_reduce.convergence import Trainer, run
+from host.experiments.selective_reduce.convergence import CONVERGENCE_COMPUTE_SCALE, Trainer, run
 from host.selective_reduce.policies import SelectiveReduce
 from host.selective_reduce.simulator import SimConfig, Simulation
 
@@ -17,7 +17,7 @@ class Checking(Trainer):
 
 
 def test_group_members_share_the_averaged_model():
-    cfg = SimConfig(n=10, duration=20.0, seed=0)
+    cfg = SimConfig(n=10, duration=20.0, seed=0, compute_scale=CONVERGENCE_COMPUTE_SCALE)
     trainer = Checking(cfg.n, target=0.99, seed=0)
     result = Simulation(cfg, SelectiveReduce(), observer=trainer).run()
     assert trainer.syncs == result.total_syncs > 0
@@ -25,5 +25,6 @@ def test_group_members_share_the_averaged_model():
 
 
 def test_selective_reduce_reaches_target():
-    out = run("selective-reduce", SimConfig(n=10, duration=60.0, seed=0), target=0.85)
+    out = run("selective-reduce", SimConfig(n=10, duration=60.0, seed=0,
+                                                compute_scale=CONVERGENCE_COMPUTE_SCALE), target=0.85)
     assert np.isfinite(out.time_to_target) and out.final_accuracy > 0.8

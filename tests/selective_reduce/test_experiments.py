@@ -12,6 +12,9 @@ def test_run_point_and_plot(tmp_path):
     assert point["selective-reduce"]["avg_scale"]["min"] >= cfg.p
     results = {"settings": {}, "tiny": {"field": "n", "points": [{"value": 12, **point}]}}
     json.dumps(results)
+    table = experiments.markdown_table("tiny", results["tiny"]).splitlines()
+    assert table[0].startswith("| tiny | SR time s |") and len(table) == 3
+    assert table[2].count("|") == table[0].count("|")
     paths = experiments.plot(results, str(tmp_path))
     assert [p.endswith("sr_tiny.png") for p in paths] == [True]
     assert (tmp_path / "sr_tiny.png").stat().st_size > 1000

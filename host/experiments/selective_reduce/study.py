@@ -21,9 +21,10 @@ from tqdm import tqdm
 from host.experiments.common import save_figure
 from host.selective_reduce.policies import POLICIES
 from host.selective_reduce.simulator import SimConfig, Simulation
+from host.selective_reduce.workload import CALIBRATED_MEDIAN_S
 
 METRICS = ("avg_sync_time", "avg_sync_time_with_wait", "avg_scale", "total_syncs",
-           "total_iterations", "wasted_wait_per_worker")
+           "total_iterations", "wasted_wait_per_worker", "idle_slot_wait_per_worker")
 SWEEP_N = 200        # the paper does not give n for Figs. 8-14; its Fig. 8 text implies 160 or 200
 
 
@@ -69,7 +70,8 @@ def experiment_plan(quick: bool) -> list[tuple[str, str, list]]:
         ("bw_error_warm", "bw_error", [0.0, 0.1, 0.2, 0.4]),
         ("bw_error_cold", "bw_error", [0.0, 0.1, 0.2, 0.4]),
         ("delta_t", "dt", [0.02, 0.05, 0.1, 0.2, 0.5]),
-        ("compute_scale", "compute_scale", [1, 4, 10, 20]),
+        # multiples of the calibrated 4 s median: 0.5 s (the old surrogate) to 8 s
+        ("compute_scale", "compute_scale", [0.125, 0.5, 1, 2]),
     ]
 
 
@@ -101,7 +103,8 @@ def run_all(seeds: int, sweep_seeds: int, duration: float, quick: bool, only=Non
                             "duration_s": duration, "sweep_n": SWEEP_N,
                             "defaults": {"p": "0.3n", "eta": 0.3, "theta": 1, "dt": 0.1,
                                          "alpha": 1e-3, "lam": 0.05, "model_mb": 500,
-                                         "c": "never", "trace": "transformer (surrogate)"}}}
+                                         "c": "never", "trace": "transformer (surrogate)",
+                                         "compute_median_s": CALIBRATED_MEDIAN_S}}}
     with tqdm(total=total, desc="selective-reduce experiments") as bar:
         for name, field, values in plan:
             n_seeds = seeds if name.startswith("n_") else sweep_seeds
@@ -146,6 +149,38 @@ def plot(results: dict, outdir: str) -> list[str]:
     return written
 
 
+def _cell(point, scheme, metric, fmt):
+    return fmt.format(point[scheme][metric]["median"]) if scheme in point else "-"
+
+
+def _ratio(point, key):
+    r = point["ratios"][key]
+    return f"{r['median']:.2f} ({r['min']:.2f})"
+
+
+def markdown_table(name: str, exp: dict) -> str:
+    """One experiment as the Markdown table docs/selective_reduce.md quotes (medians over seeds;
+    "x" columns: per-seed SR/PR ratios, median (min))."""
+    head = ("| " + name + " | SR time s | PR time s | AR time s | time x (min) | SR scale | PR scale "
+            "| scale x (min) | SR iters | PR iters | iters x (min) | SR syncs | PR syncs "
+            "| SR wasted wait ms | SR idle slots s |")
+    lines = [head, "|---" + "|---:" * 3 + "|---" + "|---:" * 2 + "|---" + "|---:" * 2 + "|---"
+             + "|---:" * 4 + "|"]
+    for p in exp["points"]:
+        sr, pr, ar = "selective-reduce", "partial-reduce", "all-reduce"
+        lines.append("| " + " | ".join([
+            f"{p['value']:g}", _cell(p, sr, "avg_sync_time", "{:.2f}"),
+            _cell(p, pr, "avg_sync_time", "{:.2f}"), _cell(p, ar, "avg_sync_time", "{:.2f}"),
+            _ratio(p, "time_speedup"), _cell(p, sr, "avg_scale", "{:.1f}"),
+            _cell(p, pr, "avg_scale", "{:.1f}"), _ratio(p, "scale_gain"),
+            _cell(p, sr, "total_iterations", "{:.0f}"), _cell(p, pr, "total_iterations", "{:.0f}"),
+            _ratio(p, "iteration_gain"), _cell(p, sr, "total_syncs", "{:.1f}"),
+            _cell(p, pr, "total_syncs", "{:.1f}"),
+            f"{1000 * p[sr]['wasted_wait_per_worker']['median']:.1f}",
+            _cell(p, sr, "idle_slot_wait_per_worker", "{:.2f}")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m host.experiments.selective_reduce.study",
                                  description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -160,17 +195,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     only = set(args.only.split(",")) if args.only else None
     results = run_all(args.seeds, args.sweep_seeds, args.duration, args.quick, only)
-    print(f"{'experiment':16} {'value':>8} {'SR time':>8} {'PR time':>8} {'speedup':>8} "
-          f"{'scale x':>8} {'iter x':>7}")
     for name, exp in results.items():
-        if name == "settings":
-            continue
-        for p in exp["points"]:
-            r = p["ratios"]
-            print(f"{name:16} {p['value']:>8} {p['selective-reduce']['avg_sync_time']['median']:8.3f} "
-                  f"{p['partial-reduce']['avg_sync_time']['median']:8.3f} "
-                  f"{r['time_speedup']['median']:8.2f} {r['scale_gain']['median']:8.3f} "
-                  f"{r['iteration_gain']['median']:7.2f}")
+        if name != "settings":
+            print(markdown_table(name, exp))
     if args.plots:
         for path in plot(results, args.plots):
             print("wrote", path)
