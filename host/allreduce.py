@@ -339,10 +339,13 @@ class _AggregatorStream:
 
     def settle(self, loss_bound: float, wait_rto: float = 2.0) -> np.ndarray:
         """Bounded loss: wait until at least (1 - loss_bound) of the tensor's chunks came
-        back with the full contributor set, then re-request every missing chunk at once
-        (a retransmitted DATA is re-served when its round completed, protocol.md §4.2)
-        and give them wait_rto retransmission timeouts (0: none, DLCP's immediate
-        finish); give up what is still missing.
+        back with the full contributor set, then give the missing ones wait_rto
+        retransmission timeouts (0: none, DLCP's immediate finish); give up what is
+        still missing. The overdue ones (past their retransmission deadline: likely lost)
+        are re-requested at once (a retransmitted DATA is re-served when its round
+        completed, protocol.md §4.2); the others are only late and keep their timers: re-
+        sending them all loaded the bottleneck queue at every tensor's end, and made DLCP's
+        calls slower than exact ones (docs/dlcp.md, "A window that fits the queue").
 
         Returns this worker's missing chunks (bool per chunk): not back, or back with
         fewer contributors than the job has. The deadline is noticed at the exchange
@@ -362,11 +365,10 @@ class _AggregatorStream:
             if "end" not in grace:
                 if wait_rto == 0:
                     return True
-                late = ~ex.done & ex.sent
-                ex.deadline[late] = now
-                # As after a stall: every expired chunk goes out at once, no loss evidence
-                # needed (host.transport._Exchange.expired).
-                ex.last_progress = now - transport.timer.rto
+                if np.any(~ex.done & ex.sent & (ex.deadline <= now)):
+                    # As after a stall: the overdue chunks go out at once, no further loss
+                    # evidence needed (host.transport._Exchange.expired).
+                    ex.last_progress = now - transport.timer.rto
                 grace["end"] = now + wait_rto * transport.timer.rto
             return now >= grace["end"]
         stream.wait_until(enough)
@@ -889,20 +891,29 @@ class THCAllreduce:
                 if not self._decode(stream, in_flight[0], key, mean):
                     break                         # the aggregator did not answer
                 in_flight.pop(0)
+        settled = None
         if bounded:
             t0 = time.perf_counter()
             settled = stream.settle(self.loss_bound, self.loss_wait)
             self.seconds["exchange"] += time.perf_counter() - t0
-        if guarded and self._agree_silent(stream.down, mean.device):
+        if not (guarded or bounded):
+            stream.finish()
+            return
+        # One exchange at the end of the call for both agreements: whether the aggregator
+        # answered every worker, and (bounded loss) which chunks anyone lacks.
+        t0 = time.perf_counter()
+        n_chunks = -(-ranges[-1][3] // self.exchange.values_per_packet) if bounded else 0
+        silent, missing = self._agree_end(stream.down if guarded else None, settled,
+                                          n_chunks, mean.device)
+        self.seconds["exchange"] += time.perf_counter() - t0
+        if silent:
+            self._go_to_collective(silent, stream.down)
             stream.close()
             self._redo_over_collective(sent, key, mean)
             return
         if bounded:
             # Decode only once every worker knows the same missing set.
-            t0 = time.perf_counter()
-            missing = self._agree_missing(settled)
             self._count_lost_marks(missing, np.concatenate(stream.first_tos))
-            self.seconds["exchange"] += time.perf_counter() - t0
             for chunk in in_flight:
                 self._decode(stream, chunk, key, mean, missing)
         stream.finish()
@@ -914,39 +925,43 @@ class THCAllreduce:
             name = f"dscp{int(t) >> 2}/{'ect' if int(t) & 3 else 'not-ect'}"
             marks[name] = marks.get(name, 0) + 1
 
-    def _agree_missing(self, missing: np.ndarray) -> np.ndarray:
-        """The union of every worker's missing chunks (one MAX exchange of a byte per
-        chunk over the process group, the control channel): a chunk that any worker lacks
-        is decoded as lost by all, so every worker decodes the same result."""
-        mine = torch.from_numpy(np.ascontiguousarray(missing, dtype=np.uint8))
-        agreed = mine.clone()
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        self.control_bytes += agreed.numel()
-        agreed = agreed.numpy().astype(bool)
+    def _agree_end(self, down: BaseException | None, settled, n_chunks: int, device):
+        """The end-of-call agreement, one MAX exchange of bytes over the process group (the
+        control channel): [aggregator silent here? (one byte per worker) | this worker's
+        missing chunks (one byte per chunk, bounded loss)]. Returns (the workers the
+        aggregator did not answer, the union of every worker's missing chunks or None):
+        a chunk that any worker lacks is decoded as lost by all, so every worker decodes
+        the same result. A worker whose aggregator went silent sends no missing chunks."""
+        vector = torch.zeros(self.world + n_chunks, dtype=torch.uint8)
+        vector[self.rank] = down is not None
+        if n_chunks and settled is not None:
+            vector[self.world:] = torch.from_numpy(np.ascontiguousarray(settled, np.uint8))
+        if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
+            vector = vector.to(device)
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        self.control_bytes += vector.numel()
+        vector = vector.cpu()
+        silent = torch.nonzero(vector[:self.world]).flatten().tolist()
+        if silent or not n_chunks:
+            return silent, None
+        agreed = vector[self.world:].numpy().astype(bool)
+        self._record_missing(np.asarray(settled, bool), agreed)
+        return silent, agreed
+
+    def _record_missing(self, mine: np.ndarray, agreed: np.ndarray) -> None:
         self.last_missing = agreed
         st = self.loss_stats
         st["tensors"] += 1
         st["chunks"] += len(agreed)
-        st["missing_here"] += int(missing.sum())
+        st["missing_here"] += int(mine.sum())
         st["missing_agreed"] += int(agreed.sum())
-        return agreed
 
     # ----------------------------------------------------------------- fallback
 
-    def _agree_silent(self, down: BaseException | None, device) -> bool:
-        """Whether the aggregator failed to answer this call on any worker: one MAX
-        exchange of a byte per worker over the process group, at the end of every call
-        through the aggregator (fallback="collective"). When it did, this and every later
-        call go over the collective (the first time with a warning)."""
-        flags = torch.zeros(self.world, dtype=torch.uint8)
-        flags[self.rank] = down is not None
-        if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
-            flags = flags.to(device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        self.control_bytes += flags.numel()
-        silent = torch.nonzero(flags.cpu()).flatten().tolist()
-        if not silent:
-            return False
+    def _go_to_collective(self, silent: list, down: BaseException | None) -> None:
+        """The aggregator did not answer the workers `silent` this call (fallback=
+        "collective"): this and every later call go over the collective (the first time
+        with a warning) until a probe finds it answering every worker again."""
         self._on_collective = True
         self._probe_now = False
         self._last_probe = time.monotonic()
@@ -959,7 +974,6 @@ class THCAllreduce:
                 "THC codec and rounds, so the same means); the aggregator is probed every "
                 f"{self.probe_interval:g} s and used again once it answers every worker",
                 RuntimeWarning, stacklevel=2)
-        return True
 
     def _redo_over_collective(self, chunks: list, key, mean) -> None:
         """This call's integer sums again, over the process group: every worker's chunks
