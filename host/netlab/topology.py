@@ -19,8 +19,11 @@ other end (`Host.switch_if`) is what the switch sees:
   `switch_config(dlcp)` routes each /24 to its host's port.
 
 rate_mbit shapes every data link in both directions (netem, or tbf where the kernel has
-no netem; host.netlab.links.shape); None leaves links unshaped. offloads=False gives plain
-frames with full checksums on both ends (a packet-socket switch takes no super-frames).
+no netem; host.netlab.links.shape); None leaves links unshaped. rate_mbit and delay_ms may
+also be lists, one entry per host (heterogeneous links: host i's link gets rate_mbit[i],
+delay_ms[i]); `set_rate(i, mbit)` re-shapes host i's link while the topology is up (load
+that changes during a run). offloads=False gives plain frames with full checksums on both
+ends (a packet-socket switch takes no super-frames).
 Every link is quiet (no IPv6, host.netlab.links). `up()` (or `with`) builds it; `down()`
 removes every namespace and link it made, also on an error while building, at exit,
 and on SIGTERM (a handler is installed while a topology is up in the main thread).
@@ -35,6 +38,7 @@ import subprocess
 import threading
 import uuid
 from dataclasses import dataclass
+from typing import Sequence
 
 from dataplane.config import Dlcp, Route, SwitchConfig
 from host.netlab.links import (NetnsError, add_bridge, add_netns, add_veth, cut_udp_gso,
@@ -67,14 +71,17 @@ class Host:
 class Topology:
     """num_hosts host namespaces linked to a switch in one of LAYOUTS (see the module doc)."""
 
-    def __init__(self, num_hosts: int, rate_mbit: float | None = None, *,
-                 layout: str = "bridge", delay_ms: float = 0.0, loss: float = 0.0,
+    def __init__(self, num_hosts: int, rate_mbit: float | Sequence[float] | None = None, *,
+                 layout: str = "bridge", delay_ms: float | Sequence[float] = 0.0,
+                 loss: float = 0.0,
                  mtu: int = 1500, subnet: int = 77, tag: str | None = None,
                  offloads: bool = True, rto_min_ms: float | None = None):
         self._check(num_hosts, rate_mbit, layout, delay_ms, loss, mtu, subnet, tag)
         self.num_hosts, self.rate_mbit, self.layout = num_hosts, rate_mbit, layout
         self.delay_ms, self.loss, self.mtu, self.subnet = delay_ms, loss, mtu, subnet
         self.offloads, self.rto_min_ms = offloads, rto_min_ms
+        self.rates = _per_host(rate_mbit, num_hosts)     # host i's link rate (None: unshaped)
+        self.delays = _per_host(delay_ms, num_hosts)
         self.tag = tag or uuid.uuid4().hex[:6]
         self.switch_mac = SWITCH_MAC
         self.switch_ns = None if layout == "routed" else f"nl{self.tag}sw"
@@ -97,10 +104,13 @@ class Topology:
                              + (" (senders and one receiver)" if layout == "routed" else ""))
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu {mtu} must be in 576..65535 (9000 for jumbo frames)")
-        if rate_mbit is not None and rate_mbit <= 0:
+        rates, delays = _per_host(rate_mbit, num_hosts), _per_host(delay_ms, num_hosts)
+        if rate_mbit is not None and not all(r is not None and r > 0 for r in rates):
             raise ValueError("rate_mbit must be positive (None: unshaped links)")
-        if rate_mbit is None and (delay_ms or loss):
+        if rate_mbit is None and (any(delays) or loss):
             raise ValueError("delay_ms and loss shape the links: give rate_mbit too")
+        if any(d is None or d < 0 for d in delays):
+            raise ValueError("delay_ms must be >= 0")
         if not 0 <= subnet <= 254:
             raise ValueError(f"subnet {subnet} must be in 0..254 (10.<subnet>.x.y)")
         if tag is not None and not TAG_RE.match(tag):
@@ -132,6 +142,10 @@ class Topology:
         if self.layout != "ports":
             raise ValueError(f"the {self.layout} layout has no control network (use host_ip)")
         return self.hosts[i].control_ip
+
+    def link_rate(self, i: int) -> float | None:
+        """Host i's link rate in Mbit/s now (None: unshaped)."""
+        return self.rates[i]
 
     def switch_port(self, i: int) -> str:
         """The interface the switch sees of host i's link (switch port i)."""
@@ -220,9 +234,28 @@ class Topology:
         if not self.offloads:
             disable_offloads(h.host_if, h.ns)
             disable_offloads(h.switch_if, sw)
-        if self.rate_mbit is not None:
-            for dev, ns in ((h.host_if, h.ns), (h.switch_if, sw)):     # both directions
-                self.qdisc = shape(dev, self.rate_mbit, ns, self.delay_ms, self.loss)
+        if self.rates[h.index] is not None:
+            self._shape_link(h)
+
+    def _shape_link(self, h: Host) -> None:
+        for dev, ns in ((h.host_if, h.ns), (h.switch_if, self.switch_ns)):   # both directions
+            self.qdisc = shape(dev, self.rates[h.index], ns, self.delays[h.index], self.loss)
+
+    def set_rate(self, i: int, rate_mbit: float) -> None:
+        """Re-shape host i's link to rate_mbit in both directions (its delay and the loss
+        stay), while the topology is up: background load that changes during a run."""
+        if rate_mbit <= 0:
+            raise ValueError("rate_mbit must be positive")
+        if self.rates[i] is None:
+            raise ValueError("set_rate re-shapes a shaped link: build the topology with "
+                             "rate_mbit")
+        h = self.hosts[i]
+        # delete and add again (links.shape adds): the link is unshaped for the few
+        # microseconds in between, which a rate change between measurements does not see
+        for dev, ns in ((h.host_if, h.ns), (h.switch_if, self.switch_ns)):
+            sh("tc", "qdisc", "del", "dev", dev, "root", ns=ns)
+        self.rates[i] = rate_mbit
+        self._shape_link(h)
 
     def _ports_host(self, h: Host) -> None:
         static_neighbour(self.switch_ip, self.switch_mac, h.host_if, h.ns)
@@ -239,6 +272,17 @@ class Topology:
         if self.rto_min_ms is not None:
             route += ["rto_min", f"{self.rto_min_ms:g}ms"]
         sh(*route, ns=h.ns)
+
+
+def _per_host(value, num_hosts: int) -> list:
+    """One value per host: a scalar (or None) for all, or a list with one entry per host."""
+    if value is None or isinstance(value, (int, float)):
+        return [value] * num_hosts
+    values = list(value)
+    if len(values) != num_hosts:
+        raise ValueError(f"{len(values)} per-host values for {num_hosts} hosts: give one "
+                         "per host, or one number for all")
+    return values
 
 
 # --------------------------------------------------------------------------- clean-up

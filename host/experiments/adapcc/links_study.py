@@ -1,0 +1,335 @@
+"""AdapCC on shaped links: profiler + synthesizer + executor against gloo, measured (root).
+
+    python -m host.experiments.adapcc.links_study [--json FILE] [--rates 200,200,100,50]
+        [--delays 0,1,2,4] [--mb 4] [--reps 3] [--change 0:30] [--m 1]
+
+Four worker processes, each in its own network namespace of the lab (host.netlab.topology,
+bridge layout) on links of different rates (and latencies, where the kernel has netem), form
+a gloo process group over those links.  In each phase every rank profiles the links
+(``profile_links``), rank 0 synthesizes an AllReduce strategy (``Synthesizer``: the MILP on
+four nodes) and broadcasts it, and on the same tensor the ranks time, interleaved, rep by rep:
+gloo's own ``dist.all_reduce`` (ring), the synthesized strategy and the executor's fixed ring,
+binary tree and star (``host/adapcc/strategies.py``, rooted at rank 0, at the builders' 8
+chunks and at the synthesized strategy's chunk count).  A time is the slowest
+rank's, after a barrier; the table gives the median over reps.  Between the phases the parent
+re-shapes one host's link (``Topology.set_rate``, --change host:mbit), and the same processes
+re-profile, re-synthesize (the same Synthesizer, the same executor) and time again.  Every
+result is compared with the expected sum (integers in float32, so exact).  The tests call
+``run_study``.
+
+The synthesizer builds one sub-collective (--m 1) by default: on a shared 2-core machine every
+chunk step of the executor costs milliseconds of scheduling that the profiled alpha does not
+show, and with M = 2 the synthesizer's picks (twice the chunk steps) measured slower than the
+fixed strategies.  Without netem (some kernels) the links are shaped by tbf, rate only: the
+delays are then not applied, and the JSON says so (``netem``, ``delays_ms``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from host.adapcc import strategies
+from host.adapcc.costmodel import evaluate
+from host.adapcc.executor import TreeExecutor
+from host.adapcc.profiler import profile_links
+from host.adapcc.synthesizer import Synthesizer
+
+GLOO_PORT = 29611
+PROFILE_KB = (16, 128)         # profile_links piece sizes: small enough for 50 Mbit/s links
+FIXED = ("ring", "binary tree", "star")
+GLOO = "gloo all_reduce (ring)"
+SYNTH = "synthesized"
+
+
+# --------------------------------------------------------------------------- the workers
+
+def _local(rank: int, numel: int):
+    """Small integers, so float32 sums are exact in any order of addition."""
+    return ((torch.arange(numel) % 1024) * (rank + 1) + rank).to(torch.float32)
+
+
+def _expected(world: int, numel: int):
+    return sum(_local(r, numel).double() for r in range(world))
+
+
+def _chunk_counts(synthesized) -> tuple[int, ...]:
+    """The builders' default (8) and, so that chunking alone is no advantage, the
+    synthesized strategy's own chunk count."""
+    return tuple(sorted({8, synthesized.subs[0].n_chunks}))
+
+
+def fixed_name(shape: str, chunks: int) -> str:
+    return f"{shape}, {chunks} chunks"
+
+
+def _fixed(net, nbytes: int, chunk_counts) -> dict:
+    """The executor's hand-built shapes by rank index, rooted at rank 0, one tree."""
+    builders = (strategies.ring, strategies.binary_tree, strategies.star)
+    return {fixed_name(shape, k): build(net, "allreduce", 0, nbytes, n_chunks=k, m=1)
+            for k in chunk_counts for shape, build in zip(FIXED, builders)}
+
+
+def _candidates(world: int, nbytes: int, synthesized: dict) -> dict:
+    """Name -> strategy (None: gloo's own all_reduce)."""
+    counts = _chunk_counts(synthesized[SYNTH])
+    return {GLOO: None, **synthesized,
+            **_fixed(strategies.make_uniform_network(world), nbytes, counts)}
+
+
+def _modelled_ms(net, nbytes: int, own: dict) -> dict:
+    """Modelled time on net of the fixed shapes (rebuilt there) and of `own` (built on net)."""
+    built = {**own, **_fixed(net, nbytes, _chunk_counts(own[SYNTH]))}
+    return {name: 1e3 * evaluate(net, strategy).time for name, strategy in built.items()}
+
+
+def _synthesize(synth, world: int, nbytes: int, profile_kwargs) -> tuple[dict, dict]:
+    """Collective: profile on every rank, synthesize at rank 0, broadcast its pick."""
+    started = time.perf_counter()
+    net = profile_links(**profile_kwargs)
+    info = {"profile_s": time.perf_counter() - started}
+    payload = [None]
+    if dist.get_rank() == 0:
+        started = time.perf_counter()
+        synth.update_profile(net)
+        info["synthesis_s"] = time.perf_counter() - started
+        off = [(i, j) for i in range(world) for j in range(world) if i != j]
+        info["profiled_mbit"] = {f"{i}->{j}": 8 / float(net.beta[i, j]) / 1e6 for i, j in off}
+        info["profiled_alpha_us"] = {f"{i}->{j}": float(net.alpha[i, j]) * 1e6 for i, j in off}
+        picks = {SYNTH: synth.current.strategy}
+        info["method"] = synth.current.method
+        info["modelled_ms"] = _modelled_ms(net, nbytes, picks)
+        info["strategy"] = _describe(synth.current.strategy)
+        payload = [(picks, info)]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _describe(strategy) -> list[dict]:
+    return [{"root": s.root, "chunks": s.n_chunks, "size_bytes": s.size,
+             "parent": {src: p[1] for src, p in sorted(s.routes.items()) if len(p) > 1}}
+            for s in strategy.subs]
+
+
+def _time_phase(executors: dict, picks: dict, world: int, numel: int, reps: int) -> dict:
+    """Per candidate: this rank's seconds per rep, and whether every result was exact."""
+    rank = dist.get_rank()
+    for name, pick in picks.items():         # re-synthesis: same executors, no restart
+        if name in executors:
+            executors[name].set_strategy(pick)
+        else:
+            executors[name] = TreeExecutor(pick)
+    cands = _candidates(world, numel * 4, picks)
+    runners = {name: executors.get(name) or (TreeExecutor(s) if s is not None else None)
+               for name, s in cands.items()}
+    expected, local = _expected(world, numel), _local(rank, numel)
+    times = {name: [] for name in cands}
+    exact = {name: True for name in cands}
+    for _ in range(reps):                    # interleaved: drift in load hits every candidate
+        for name, runner in runners.items():
+            dist.barrier()
+            started = time.perf_counter()
+            if runner is None:
+                got = local.clone()
+                dist.all_reduce(got)
+            else:
+                got = runner.run(local)
+            times[name].append(time.perf_counter() - started)
+            exact[name] = exact[name] and bool(torch.equal(got.double(), expected))
+    return {"times_s": times, "exact": exact}
+
+
+def _wait_for_parent(sync: Path, phase: int) -> None:
+    """Rank 0 tells the parent this phase is done and waits until the links are re-shaped."""
+    (sync / f"done{phase}").touch()
+    while not (sync / f"go{phase}").exists():
+        time.sleep(0.05)
+
+
+def worker(args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
+                            world_size=args.world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    numel = int(args.mb * (1 << 20)) // 4
+    profile_kwargs = dict(sizes=tuple(int(1024 * kb) for kb in args.profile_kb), counts=(1, 4),
+                          repeats=args.profile_repeats)
+    synth = Synthesizer("allreduce", numel * 4, m=args.m, time_limit=args.milp_seconds,
+                        change_tolerance=0.0)          # every phase re-synthesizes
+    executors = {}
+    phases = []
+    for phase in range(2):
+        if phase and args.rank == 0:
+            _wait_for_parent(Path(args.sync), phase)
+        dist.barrier()
+        picks, info = _synthesize(synth, args.world, numel * 4, profile_kwargs)
+        phases.append(dict(info, **_time_phase(executors, picks, args.world, numel,
+                                               args.reps)))
+    gathered = [None] * args.world if args.rank == 0 else None
+    dist.gather_object(phases, gathered, dst=0)
+    if args.rank == 0:
+        Path(args.out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the parent
+
+def _summarise(per_rank: list[list[dict]], phase: int) -> dict:
+    """The slowest rank per rep, median over reps; exact only if exact on every rank."""
+    first = per_rank[0][phase]
+    rows = {}
+    for name in first["times_s"]:
+        slowest = np.max([r[phase]["times_s"][name] for r in per_rank], axis=0)
+        rows[name] = {"ms": 1e3 * float(np.median(slowest)),
+                      "reps_ms": [1e3 * float(t) for t in slowest],
+                      "exact": all(r[phase]["exact"][name] for r in per_rank),
+                      "modelled_ms": first["modelled_ms"].get(name)}
+    gloo = rows[GLOO]["ms"]
+    for row in rows.values():
+        row["x_gloo"] = gloo / row["ms"]
+    fixed = [name for name in rows if name not in (GLOO, SYNTH)]
+    best = min(fixed, key=lambda name: rows[name]["ms"])
+    info = {k: v for k, v in first.items() if k not in ("times_s", "exact", "modelled_ms")}
+    return dict(info, rows=rows, best_fixed=best,
+                synthesized_over_best_fixed=rows[SYNTH]["ms"] / rows[best]["ms"])
+
+
+def _spawn(tb, args, sync: Path, out: Path) -> list[subprocess.Popen]:
+    from host.netlab.aggregators import python_env
+    env = python_env(GLOO_SOCKET_IFNAME="eth0")
+    procs = []
+    for rank in range(args.world):
+        argv = [sys.executable, "-m", "host.experiments.adapcc.links_study", "--worker",
+                "--rank", str(rank), "--world", str(args.world),
+                "--master", f"{tb.host_ip(0)}:{GLOO_PORT}", "--sync", str(sync),
+                "--out", str(out), "--mb", str(args.mb), "--reps", str(args.reps),
+                "--m", str(args.m), "--milp-seconds", str(args.milp_seconds),
+                "--profile-repeats", str(args.profile_repeats), "--timeout", str(args.timeout),
+                "--profile-kb", ",".join(f"{kb:g}" for kb in args.profile_kb)]
+        procs.append(tb.popen(rank, argv, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _drive(tb, procs, sync: Path, change: tuple[int, float], deadline: float) -> None:
+    """Re-shape the changed host's link when rank 0 reports phase 0 done; wait for all."""
+    host, mbit = change
+    while any(p.poll() is None for p in procs):
+        if time.time() > deadline:
+            raise TimeoutError("the workers did not finish in time")
+        if (sync / "done1").exists() and not (sync / "go1").exists():
+            tb.set_rate(host, mbit)
+            (sync / "go1").touch()
+        time.sleep(0.05)
+
+
+def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, reps: int = 3,
+              change=(0, 30), m: int = 1, milp_seconds: float = 10.0, profile_repeats: int = 1,
+              timeout: float = 600.0, profile_kb=PROFILE_KB) -> dict:
+    """Both phases on one topology; returns {"phases": [summary, summary], ...}."""
+    from host.netlab.links import netem_available
+    from host.netlab.topology import Topology
+    netem = netem_available()
+    applied = list(delays) if netem else [0.0] * len(rates)   # tbf cannot delay
+    args = argparse.Namespace(world=len(rates), mb=mb, reps=reps, m=m,
+                              milp_seconds=milp_seconds, profile_repeats=profile_repeats,
+                              timeout=int(timeout), profile_kb=list(profile_kb))
+    load_before = os.getloadavg()
+    started = time.time()
+    with Topology(len(rates), list(rates), delay_ms=applied) as tb, \
+            tempfile.TemporaryDirectory() as tmp:
+        sync, out = Path(tmp), Path(tmp) / "out.json"
+        procs = _spawn(tb, args, sync, out)
+        try:
+            _drive(tb, procs, sync, change, started + timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            logs = [p.communicate()[0] for p in procs]
+        if any(p.returncode for p in procs) or not out.exists():
+            raise RuntimeError("links_study workers failed:\n" + "\n".join(
+                (log or "")[-2000:] for log in logs))
+        per_rank = json.loads(out.read_text())
+        qdisc = tb.qdisc
+    rates_after = list(rates)
+    rates_after[change[0]] = change[1]
+    return {"rates_mbit": [list(rates), rates_after], "delays_ms": applied,
+            "delays_requested_ms": list(delays), "netem": netem, "qdisc": qdisc,
+            "tensor_mb": mb, "reps": reps, "m": m, "change": list(change),
+            "profile_kb": list(profile_kb),
+            "load_average_before": list(load_before), "load_average_after":
+            list(os.getloadavg()), "cpus": os.cpu_count(), "wall_s": time.time() - started,
+            "phases": [_summarise(per_rank, p) for p in range(2)]}
+
+
+def print_table(res: dict) -> None:
+    for p, phase in enumerate(res["phases"]):
+        rates = "/".join(f"{r:g}" for r in res["rates_mbit"][p])
+        print(f"\nphase {p}: links {rates} Mbit/s, delays "
+              f"{'/'.join(f'{d:g}' for d in res['delays_ms'])} ms, {res['tensor_mb']:g} MB "
+              f"float32, median of {res['reps']}; profile {phase['profile_s']:.1f} s, "
+              f"synthesis {phase['synthesis_s']:.1f} s")
+        print(f"{'strategy':<26}{'ms':>8}{'x gloo':>8}{'model ms':>10}  exact")
+        for name, row in phase["rows"].items():
+            model = f"{row['modelled_ms']:.0f}" if row["modelled_ms"] is not None else "-"
+            print(f"{name:<26}{row['ms']:>8.0f}{row['x_gloo']:>8.2f}{model:>10}  {row['exact']}")
+        print(f"synthesized by {phase['method']}: trees {phase['strategy']}; its time / the "
+              f"best fixed ({phase['best_fixed']}): {phase['synthesized_over_best_fixed']:.2f}")
+    print(f"\nload average before {res['load_average_before']}, after "
+          f"{res['load_average_after']} ({res['cpus']} CPUs); qdisc {res['qdisc']}"
+          + ("" if res["netem"] else " (no netem in this kernel: latencies not shaped)"))
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def main():
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.links_study",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--rates", type=_floats, default=[200, 200, 100, 50],
+                    help="Mbit/s per host link (one worker per host)")
+    ap.add_argument("--delays", type=_floats, default=[0, 1, 2, 4],
+                    help="ms per host link (needs netem; ignored where the kernel lacks it)")
+    ap.add_argument("--mb", type=float, default=4, help="tensor size, MiB of float32")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--change", default="0:30", help="host:mbit re-shaped between phases")
+    ap.add_argument("--m", type=int, default=1, help="sub-collectives of the synthesizer")
+    ap.add_argument("--milp-seconds", type=float, default=10.0)
+    ap.add_argument("--profile-repeats", type=int, default=1)
+    ap.add_argument("--profile-kb", type=_floats, default=list(PROFILE_KB),
+                    help="profile_links piece sizes, KiB")
+    ap.add_argument("--timeout", type=float, default=900)
+    # worker mode (started by the parent inside a host namespace)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--rank", "--world"):
+        ap.add_argument(name, type=int, help=argparse.SUPPRESS)
+    for name in ("--master", "--sync", "--out"):
+        ap.add_argument(name, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    host, mbit = args.change.split(":")
+    res = run_study(args.rates, args.delays, args.mb, args.reps, (int(host), float(mbit)),
+                    args.m, args.milp_seconds, args.profile_repeats, args.timeout,
+                    args.profile_kb)
+    print_table(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
