@@ -43,7 +43,7 @@ def test_synthesized_never_slower_than_best_fixed_and_exact():
     from host.experiments.adapcc.links_study import GLOO, run_study
     # 0.5 MB: well above tbf's 64 KB burst, so the links' rates, not the burst, decide
     res = run_study(rates=(160, 160, 160, 40), delays=(0, 0, 0, 0), mb=0.5, reps=3,
-                    change=(0, 20), milp_seconds=5, timeout=240)
+                    change=(0, 20), milp_seconds=5, timeout=240, train_steps=3, hidden=32)
     for phase in res["phases"]:
         rows = phase["rows"]
         assert all(row["exact"] for row in rows.values()), rows
@@ -51,4 +51,9 @@ def test_synthesized_never_slower_than_best_fixed_and_exact():
         # strategy's chunk count
         assert phase["synthesized_over_best_fixed"] <= 1 + MARGIN, (phase["method"], rows)
         assert rows[GLOO]["ms"] > 0
+        # the synthesized strategy as DDP's comm hook trains the model gloo's allreduce does
+        # (float sums in another order: equal to rounding)
+        train = phase["train"]
+        assert train["max_param_diff"] < 1e-5, train
+        assert all(ms > 0 for ms in train["step_ms"].values())
     assert res["rates_mbit"][1] == [20, 160, 160, 40]

@@ -14,8 +14,12 @@ chunks and at the synthesized strategy's chunk count).  A time is the slowest
 rank's, after a barrier; the table gives the median over reps.  Between the phases the parent
 re-shapes one host's link (``Topology.set_rate``, --change host:mbit), and the same processes
 re-profile, re-synthesize (the same Synthesizer, the same executor) and time again.  Every
-result is compared with the expected sum (integers in float32, so exact).  The tests call
-``run_study``.
+result is compared with the expected sum (integers in float32, so exact).  With
+``--train-steps N`` each phase also trains the main job's model (host.experiments.common: the
+MLP on scikit-learn digits, --hidden wide) for N steps twice from the same weights, once with
+DDP's own gloo allreduce and once with the synthesized strategy as DDP's comm hook
+(``executor_hook``), and reports the median step time of the slowest rank and the final
+parameters' largest difference between the two.  The tests call ``run_study``.
 
 The synthesizer builds one sub-collective (--m 1) by default: on a shared 2-core machine every
 chunk step of the executor costs milliseconds of scheduling that the profiled alpha does not
@@ -39,11 +43,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from host.adapcc import strategies
 from host.adapcc.costmodel import evaluate
 from host.adapcc.executor import TreeExecutor
 from host.adapcc.profiler import profile_links
 from host.adapcc.synthesizer import Synthesizer
+from host.experiments.common import load_digits_split, make_model
 
 GLOO_PORT = 29611
 PROFILE_KB = (16, 128)         # profile_links piece sizes: small enough for 50 Mbit/s links
@@ -149,6 +157,47 @@ def _time_phase(executors: dict, picks: dict, world: int, numel: int, reps: int)
     return {"times_s": times, "exact": exact}
 
 
+def executor_hook(executor: TreeExecutor, bucket):
+    """DDP comm hook: the bucket's mean through the executor's strategy (the executor runs
+    the collective to the end, so the Future is complete when it is returned)."""
+    mean = executor.run(bucket.buffer()) / executor.world
+    fut = torch.futures.Future()
+    fut.set_result(mean)
+    return fut
+
+
+def _train(executor, steps: int, hidden: int, seed: int = 0):
+    """`steps` training steps of the main job's model from fixed weights: each step's
+    seconds on this rank, and the final parameters (flat). executor=None: DDP's allreduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = DDP(make_model(hidden))
+    if executor is not None:
+        model.register_comm_hook(executor, executor_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    (xtr, ytr), _ = load_digits_split(seed)
+    xs, ys = torch.from_numpy(xtr[rank::world]), torch.from_numpy(ytr[rank::world])
+    order = np.random.default_rng(seed + rank).permutation(len(xs))
+    seconds = []
+    for step in range(steps):
+        idx = torch.from_numpy(order[(step * 32) % (len(xs) - 32):][:32])
+        dist.barrier()
+        started = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(xs[idx]), ys[idx]).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - started)
+    return seconds, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _train_phase(executor: TreeExecutor, steps: int, hidden: int) -> dict:
+    """The main job's model trained with gloo's allreduce and with the synthesized strategy."""
+    gloo_s, gloo_params = _train(None, steps, hidden)
+    synth_s, synth_params = _train(executor, steps, hidden)
+    return {"step_s": {GLOO: gloo_s, SYNTH: synth_s},
+            "max_param_diff": float((gloo_params - synth_params).abs().max())}
+
+
 def _wait_for_parent(sync: Path, phase: int) -> None:
     """Rank 0 tells the parent this phase is done and waits until the links are re-shaped."""
     (sync / f"done{phase}").touch()
@@ -175,6 +224,9 @@ def worker(args) -> None:
         picks, info = _synthesize(synth, args.world, numel * 4, profile_kwargs)
         phases.append(dict(info, **_time_phase(executors, picks, args.world, numel,
                                                args.reps)))
+        if args.train_steps:
+            phases[-1]["train"] = _train_phase(executors[SYNTH], args.train_steps,
+                                               args.hidden)
     gathered = [None] * args.world if args.rank == 0 else None
     dist.gather_object(phases, gathered, dst=0)
     if args.rank == 0:
@@ -199,9 +251,24 @@ def _summarise(per_rank: list[list[dict]], phase: int) -> dict:
         row["x_gloo"] = gloo / row["ms"]
     fixed = [name for name in rows if name not in (GLOO, SYNTH)]
     best = min(fixed, key=lambda name: rows[name]["ms"])
-    info = {k: v for k, v in first.items() if k not in ("times_s", "exact", "modelled_ms")}
-    return dict(info, rows=rows, best_fixed=best,
-                synthesized_over_best_fixed=rows[SYNTH]["ms"] / rows[best]["ms"])
+    info = {k: v for k, v in first.items()
+            if k not in ("times_s", "exact", "modelled_ms", "train")}
+    summary = dict(info, rows=rows, best_fixed=best,
+                   synthesized_over_best_fixed=rows[SYNTH]["ms"] / rows[best]["ms"])
+    if "train" in first:
+        summary["train"] = _summarise_training([r[phase]["train"] for r in per_rank])
+    return summary
+
+
+def _summarise_training(per_rank: list[dict]) -> dict:
+    """Median over steps (the first, which sets up, left out) of the slowest rank's step."""
+    ms = {}
+    for name in per_rank[0]["step_s"]:
+        slowest = np.max([r["step_s"][name][1:] for r in per_rank], axis=0)
+        ms[name] = 1e3 * float(np.median(slowest))
+    return {"step_ms": ms, "steps_per_s": {k: 1e3 / v for k, v in ms.items()},
+            "synthesized_speedup": ms[GLOO] / ms[SYNTH],
+            "max_param_diff": max(r["max_param_diff"] for r in per_rank)}
 
 
 def _spawn(tb, args, sync: Path, out: Path) -> list[subprocess.Popen]:
@@ -215,6 +282,7 @@ def _spawn(tb, args, sync: Path, out: Path) -> list[subprocess.Popen]:
                 "--out", str(out), "--mb", str(args.mb), "--reps", str(args.reps),
                 "--m", str(args.m), "--milp-seconds", str(args.milp_seconds),
                 "--profile-repeats", str(args.profile_repeats), "--timeout", str(args.timeout),
+                "--train-steps", str(args.train_steps), "--hidden", str(args.hidden),
                 "--profile-kb", ",".join(f"{kb:g}" for kb in args.profile_kb)]
         procs.append(tb.popen(rank, argv, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True))
@@ -235,7 +303,8 @@ def _drive(tb, procs, sync: Path, change: tuple[int, float], deadline: float) ->
 
 def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, reps: int = 3,
               change=(0, 30), m: int = 1, milp_seconds: float = 10.0, profile_repeats: int = 1,
-              timeout: float = 600.0, profile_kb=PROFILE_KB) -> dict:
+              timeout: float = 600.0, profile_kb=PROFILE_KB, train_steps: int = 0,
+              hidden: int = 256) -> dict:
     """Both phases on one topology; returns {"phases": [summary, summary], ...}."""
     from host.netlab.links import netem_available
     from host.netlab.topology import Topology
@@ -243,7 +312,8 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
     applied = list(delays) if netem else [0.0] * len(rates)   # tbf cannot delay
     args = argparse.Namespace(world=len(rates), mb=mb, reps=reps, m=m,
                               milp_seconds=milp_seconds, profile_repeats=profile_repeats,
-                              timeout=int(timeout), profile_kb=list(profile_kb))
+                              timeout=int(timeout), profile_kb=list(profile_kb),
+                              train_steps=train_steps, hidden=hidden)
     load_before = os.getloadavg()
     started = time.time()
     with Topology(len(rates), list(rates), delay_ms=applied) as tb, \
@@ -267,7 +337,7 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
     return {"rates_mbit": [list(rates), rates_after], "delays_ms": applied,
             "delays_requested_ms": list(delays), "netem": netem, "qdisc": qdisc,
             "tensor_mb": mb, "reps": reps, "m": m, "change": list(change),
-            "profile_kb": list(profile_kb),
+            "profile_kb": list(profile_kb), "train_steps": train_steps, "hidden": hidden,
             "load_average_before": list(load_before), "load_average_after":
             list(os.getloadavg()), "cpus": os.cpu_count(), "wall_s": time.time() - started,
             "phases": [_summarise(per_rank, p) for p in range(2)]}
@@ -286,6 +356,13 @@ def print_table(res: dict) -> None:
             print(f"{name:<26}{row['ms']:>8.0f}{row['x_gloo']:>8.2f}{model:>10}  {row['exact']}")
         print(f"synthesized by {phase['method']}: trees {phase['strategy']}; its time / the "
               f"best fixed ({phase['best_fixed']}): {phase['synthesized_over_best_fixed']:.2f}")
+        if "train" in phase:
+            t = phase["train"]
+            print(f"training the main job's model (hidden {res['hidden']}, "
+                  f"{res['train_steps']} steps): " + ", ".join(
+                      f"{name} {ms:.0f} ms/step" for name, ms in t["step_ms"].items())
+                  + f"; synthesized {t['synthesized_speedup']:.2f}x gloo; largest parameter "
+                  f"difference {t['max_param_diff']:.1e}")
     print(f"\nload average before {res['load_average_before']}, after "
           f"{res['load_average_after']} ({res['cpus']} CPUs); qdisc {res['qdisc']}"
           + ("" if res["netem"] else " (no netem in this kernel: latencies not shaped)"))
@@ -313,6 +390,9 @@ def main():
     ap.add_argument("--profile-kb", type=_floats, default=list(PROFILE_KB),
                     help="profile_links piece sizes, KiB")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--train-steps", type=int, default=20,
+                    help="steps of the main job's model per phase and collective (0: none)")
+    ap.add_argument("--hidden", type=int, default=256, help="the model's hidden width")
     # worker mode (started by the parent inside a host namespace)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--rank", "--world"):
@@ -325,7 +405,7 @@ def main():
     host, mbit = args.change.split(":")
     res = run_study(args.rates, args.delays, args.mb, args.reps, (int(host), float(mbit)),
                     args.m, args.milp_seconds, args.profile_repeats, args.timeout,
-                    args.profile_kb)
+                    args.profile_kb, args.train_steps, args.hidden)
     print_table(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
