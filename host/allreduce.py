@@ -331,6 +331,11 @@ class _AggregatorStream:
         vpp = self.exchange.transport.vpp
         self.first_tos.append(self.stream.packets.tos[lo // vpp: -(-hi // vpp)].copy())
 
+    @property
+    def n_chunks(self) -> int:
+        """The tensor's chunks (packets per worker), as the transport cut it."""
+        return self.stream.ex.n_chunks
+
     def pump(self) -> None:
         self.stream.pump()
 
@@ -432,6 +437,10 @@ class _GuardedStream:
     @property
     def first_tos(self) -> list:
         return self.stream.first_tos
+
+    @property
+    def n_chunks(self) -> int:
+        return self.stream.n_chunks
 
     def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
         self._guard(self.stream.submit, lo, hi, packed, rotated, max_norms)
@@ -902,7 +911,7 @@ class THCAllreduce:
         # One exchange at the end of the call for both agreements: whether the aggregator
         # answered every worker, and (bounded loss) which chunks anyone lacks.
         t0 = time.perf_counter()
-        n_chunks = -(-ranges[-1][3] // self.exchange.values_per_packet) if bounded else 0
+        n_chunks = stream.n_chunks if bounded else 0
         silent, missing = self._agree_end(stream.down if guarded else None, settled,
                                           n_chunks, mean.device)
         self.seconds["exchange"] += time.perf_counter() - t0

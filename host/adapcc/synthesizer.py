@@ -77,12 +77,12 @@ class _Model:
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.rlo), n)).tocsr()
         args = dict(constraints=LinearConstraint(a, self.rlo, self.rhi),
                     integrality=np.asarray(self.integral), bounds=Bounds(self.lb, self.ub))
-        res = milp(c, **args, options={"time_limit": time_limit, "disp": False})
+        options = {"time_limit": time_limit, "disp": False}
+        res = milp(c, **args, options=options)
         if res.status == 4:
             # HiGHS' presolve sometimes fails on the big-M rows of relay (nic) models with
             # "Solve error"; the same model solves without it
-            res = milp(c, **args, options={"time_limit": time_limit, "disp": False,
-                                           "presolve": False})
+            res = milp(c, **args, options={**options, "presolve": False})
         return res
 
 

@@ -256,7 +256,6 @@ def plot(results: dict, outdir: str) -> list[str]:
             ax.set_ylabel("CDF")
             ax.set_title(f"coordinator, {case} case, {scenario} ready times", fontsize=9)
             ax.legend(fontsize=7)
-    fig.tight_layout()
     save_figure(fig, outdir, "adapcc_coordinator.png", written)
     return written
 
@@ -270,7 +269,8 @@ def main(argv=None):
     ap.add_argument("--no-nic-nodes", action="store_true",
                     help="per-GPU-pair cross-server links (no shared NIC): the older model")
     args = ap.parse_args(argv)
-    results = {"synthesis": synthesis_experiment(nic_nodes=not args.no_nic_nodes), "volatility": volatility_experiment(),
+    results = {"synthesis": synthesis_experiment(nic_nodes=not args.no_nic_nodes),
+               "volatility": volatility_experiment(),
                "coordinator": {case: coordinator_experiment(args.trials, case=case)
                                for case in READY_TIME_CASES}}
     print(f"{'case':48} {'prim':9} {'ring':>8} {'tree':>8} {'star':>8} {'partree':>8} "

@@ -164,14 +164,15 @@ def run_mode(mode: str, args) -> dict:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, cfg, queue)) for r in range(world)]
+        background = None
         if extra:
             # Not-ECT in the queue THC's front band uses in this mode.
             tos = (band_to_dscp(0) if mode == "dlcp" else 0) << 2
-            procs.append(ctx.Process(target=_background, daemon=True,
+            background = ctx.Process(target=_background, daemon=True,
                                      args=(tb.senders[world].ns, agg_host.ip,
-                                           args.background_pps, tos)))
+                                           args.background_pps, tos))
         t0 = time.monotonic()
-        for p in procs:
+        for p in procs + ([background] if background else []):
             p.start()
         results = {}
         try:
@@ -184,8 +185,10 @@ def run_mode(mode: str, args) -> dict:
                     if any(p.exitcode not in (None, 0) for p in procs):
                         break
         finally:
+            if background is not None:
+                background.kill()                    # it sends until stopped
             for p in procs:
-                p.join(10 if p in procs[:world] else 0)   # the background never ends
+                p.join(10)
                 if p.is_alive():
                     p.kill()
             stats = switch.stop()
