@@ -60,6 +60,7 @@ PROBE_TENSOR = 0xFFFFFFFF      # tensor id of AggregatorTransport.probe's DATA
 PROBE_WAIT = 0.25              # seconds a probe waits for the aggregator's answer
 EVERY_ROUND = -1               # a background waiter's own predicate: look after every round
 RTT_SAMPLES_KEPT = 4096        # TransportStats keeps the most recent RTT samples
+RESULT_MODERATION_S = 250e-6   # the native loop's pause for RESULTs to gather (docs/perf.md)
 # Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
 # port unreachable), or the way there is down (the link, the route, the host).
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
@@ -214,7 +215,9 @@ class AggregatorTransport:
     (default: batched where this system has it, GSO only with THC_GSO=1; host.datagram);
     native: the exchange loop in C (host.native; True: required, False: the Python path,
     None: native where it is built and loads, else the Python path with a warning; either
-    way only while batched and without GSO).
+    way only while batched and without GSO); moderation: seconds the native loop lets
+    RESULTs gather before taking them in while at least half the window is in flight
+    (one wake-up for several RESULTs instead of one each; 0 = wake for every one).
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,
@@ -222,7 +225,8 @@ class AggregatorTransport:
                  timeout: float = 30.0, local=("0.0.0.0", 0), policy=default_policy,
                  timer: RetransmitTimer | None = None, on_straggler: str = "raise",
                  sock: socket.socket | None = None, batched: bool | None = None,
-                 gso: bool | None = None, native: bool | None = None):
+                 gso: bool | None = None, native: bool | None = None,
+                 moderation: float = RESULT_MODERATION_S):
         if not 1 <= values_per_packet <= MAX_VALUES:
             raise ValueError(f"values_per_packet {values_per_packet} must be in 1..{MAX_VALUES} "
                              "(the aggregator's MAX_VALUES)")
@@ -240,6 +244,9 @@ class AggregatorTransport:
             raise ValueError("on_straggler must be 'raise' or 'skip'")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
+        if not 0 <= moderation < 0.1:
+            raise ValueError(f"moderation {moderation} s must be in [0, 0.1): a pause that long "
+                             "would hold the window shut")
         if native and not native_datapath.available():
             raise TransportError(f"native=True, but the native data path is unavailable: "
                                  f"{native_datapath.reason()}; or pass native=None/False")
@@ -250,6 +257,7 @@ class AggregatorTransport:
         self.job, self.worker, self.expected = job, worker, expected
         self.pool_size, self.vpp, self.min_count = pool_size, values_per_packet, min_count
         self.timeout, self.policy, self.on_straggler = timeout, policy, on_straggler
+        self.moderation = moderation
         self.timer = timer or RetransmitTimer()
         self.stats = TransportStats()
         self.slot_rounds = np.zeros(pool_size, dtype=np.int64)   # next round of each slot
@@ -480,6 +488,7 @@ class AggregatorTransport:
         s.have_srtt, s.srtt, s.rttvar = timer.srtt is not None, timer.srtt or 0.0, timer.rttvar
         s.rto_init, s.rto_min, s.rto_max = timer.rto_init, timer.rto_min, timer.rto_max
         s.sock_tos, s.heard = io.tos, self._heard_from_aggregator
+        s.moderation = self.moderation
         s.ect_retx = bool(getattr(self.policy, "ect_retransmissions", False))
 
     def _native_leave(self, stream: "TensorStream") -> None:

@@ -43,7 +43,7 @@ from dataplane.config import Job, Member, SwitchConfig
 from dataplane.udp_service import serve
 from host import native
 from host.allreduce import AggregatorExchange, THCAllreduce
-from host.transport import AggregatorTransport, TensorStream
+from host.transport import RESULT_MODERATION_S, AggregatorTransport, TensorStream
 
 WARMUP_CALLS = 2
 
@@ -159,18 +159,20 @@ def _service(address, pool: int, vpp: int):
     return serve(config.validate(max_values=vpp), "127.0.0.1", 0, process=True)
 
 
-def measure_path(use_native: bool, codec, x, *, calls: int, pool: int, vpp: int) -> dict:
+def measure_path(use_native: bool, codec, x, *, calls: int, pool: int, vpp: int,
+                 moderation: float = 0.0) -> dict:
     """CPU and wall ms per call of `calls` allreduces of x on one data path."""
     local = ("127.0.0.1", _free_udp_port())
     svc = _service(local, pool, vpp)
     transport = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
-                                    values_per_packet=vpp, local=local, native=use_native)
+                                    values_per_packet=vpp, local=local, native=use_native,
+                                    moderation=moderation)
     try:
         allreduce = THCAllreduce(codec, AggregatorExchange(transport, codec))
         for _ in range(WARMUP_CALLS):
             allreduce(x)
         meter = DatagramCpu()
-        retx = transport.stats.retransmissions
+        retx, recvs = transport.stats.retransmissions, transport.stats.recv_calls
         with meter.installed():
             cpu0, wall0, foreign0 = time.process_time(), time.perf_counter(), _foreign_thread_cpu()
             for _ in range(calls):
@@ -181,24 +183,27 @@ def measure_path(use_native: bool, codec, x, *, calls: int, pool: int, vpp: int)
                 "datagram_ms": 1e3 * meter.seconds / calls,
                 "foreign_threads_ms": 1e3 * foreign / calls,
                 "retransmissions": transport.stats.retransmissions - retx,
+                "moderation_us": 1e6 * moderation if use_native else None,
+                "recv_calls": (transport.stats.recv_calls - recvs) / calls,
                 "pipeline_chunks": allreduce.chunk_ranges(x.numel())}
     finally:
         transport.close()
         svc.stop()
 
 
-def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64) -> dict:
+def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
+        moderations_us=(0.0,)) -> dict:
     d = int(mb * (1 << 20)) // 4
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(d).astype(np.float32))
     codec = thc.THCCodec(bits=4, granularity=30, p=1 / 32, seed=0)
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_tcp_port()}",
                                 rank=0, world_size=1)
-    paths = [True, False] if native.available() else [False]
+    paths = [(True, us) for us in moderations_us] if native.available() else []
     results = {"floor": None, "paths": []}
-    for use_native in paths:
+    for use_native, us in paths + [(False, 0.0)]:
         results["paths"].append(measure_path(use_native, codec, x, calls=calls, pool=pool,
-                                             vpp=vpp))
+                                             vpp=vpp, moderation=us * 1e-6))
     # The codec's work on the call's own pipeline chunks.
     floor = codec_floor(codec, x, results["paths"][0]["pipeline_chunks"],
                         repeats=max(3, calls // 2))
@@ -214,19 +219,29 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64) -> dic
     return results
 
 
+def _path_name(p: dict) -> str:
+    if not p["native"]:
+        return "python"
+    return f"native/{p['moderation_us']:.0f}" if p["moderation_us"] else "native"
+
+
 def table(results: dict) -> str:
     floor = results["floor"]
     lines = [f"{'data path':<10}{'cpu ms':>9}{'norms+RHT':>11}{'quant+pack':>12}"
-             f"{'datagrams':>11}{'decode+iRHT':>13}{'rest':>8}{'x floor':>9}{'wall ms':>9}"]
+             f"{'datagrams':>11}{'decode+iRHT':>13}{'rest':>8}{'x floor':>9}{'wall ms':>9}"
+             f"{'recvs':>7}"]
     for p in results["paths"]:
-        lines.append(f"{'native' if p['native'] else 'python':<10}{p['cpu_ms']:>9.1f}"
+        lines.append(f"{_path_name(p):<10}{p['cpu_ms']:>9.1f}"
                      f"{floor['norms_rht']:>11.1f}{floor['quantize_pack']:>12.1f}"
                      f"{p['datagram_ms']:>11.1f}{floor['decode_inverse_rht']:>13.1f}"
-                     f"{p['rest_ms']:>8.1f}{p['over_floor']:>9.2f}{p['wall_ms']:>9.1f}")
+                     f"{p['rest_ms']:>8.1f}{p['over_floor']:>9.2f}{p['wall_ms']:>9.1f}"
+                     f"{p['recv_calls']:>7.0f}")
     lines.append(f"codec floor (compress + decompress): {floor['floor']:.1f} ms; of the rest, "
                  "threads Python did not start (OpenMP pools, gloo): " +
-                 ", ".join(f"{'native' if p['native'] else 'python'} "
-                           f"{p['foreign_threads_ms']:.1f} ms" for p in results["paths"]))
+                 ", ".join(f"{_path_name(p)} {p['foreign_threads_ms']:.1f} ms"
+                           for p in results["paths"]))
+    lines.append("recvs: receive syscalls per call (the native loop wakes once per recvmmsg); "
+                 "native/N: RESULTs gather N us while half the window is in flight")
     if not results["config"]["native_available"]:
         lines.append(f"native data path unavailable: {results['config']['native_reason']}")
     return "\n".join(lines)
@@ -238,11 +253,15 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=10, help="measured calls per data path")
     ap.add_argument("--values-per-packet", type=int, default=8192)
     ap.add_argument("--pool", type=int, default=64, help="the job's slot pool")
+    ap.add_argument("--moderation-us", default=f"0,{RESULT_MODERATION_S * 1e6:g}",
+                    help="the native loop's RESULT moderation to measure, comma-separated "
+                         "microseconds (one native run each)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    moderations = sorted({float(v) for v in args.moderation_us.split(",") if v.strip()})
     if args.mb <= 0 or args.calls < 1:
         ap.error("--mb must be positive and --calls at least 1")
-    results = run(args.mb, args.calls, args.values_per_packet, args.pool)
+    results = run(args.mb, args.calls, args.values_per_packet, args.pool, moderations)
     print(f"one worker, {args.mb:g} MB per call, {args.calls} calls, reference aggregator "
           "(UDP service, child process) on loopback; CPU ms per call")
     print(table(results))

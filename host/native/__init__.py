@@ -58,6 +58,7 @@ class DpStream(ctypes.Structure):
         + [(name, _D) for name in ("srtt", "rttvar", "rto_init", "rto_min", "rto_max",
                                    "timeout")]
         + [(name, _I) for name in ("sock_tos", "ect_retx", "heard", "wake_fd")]
+        + [("moderation", _D)]
         + [(name, _I) for name in ("packets_sent", "bytes_sent", "retransmissions",
                                    "packets_received", "bytes_received", "results_accepted",
                                    "duplicates", "ignored", "send_calls", "send_messages",

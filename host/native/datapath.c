@@ -65,6 +65,7 @@ struct dp_stream {
     double srtt, rttvar, rto_init, rto_min, rto_max, timeout;
     int64_t sock_tos, ect_retx, heard;
     int64_t wake_fd;             /* -1, or a pipe whose input ends a blocking call */
+    double moderation;           /* seconds to let RESULTs gather while the window is full */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
@@ -392,10 +393,11 @@ static int receive(struct dp_stream *s, struct scratch *m, int *progress)
 /* ------------------------------------------------------------------ the loop */
 
 /* One round (AggregatorTransport._round): take in results, send, retransmit. */
-static int one_round(struct dp_stream *s, struct scratch *m)
+static int one_round(struct dp_stream *s, struct scratch *m, int *progress_out)
 {
     int progress = 0;
     int status = receive(s, m, &progress);
+    *progress_out = progress;
     if (progress)
         s->stream_last_progress = monotonic_now();
     if (status != DP_DONE)
@@ -425,6 +427,29 @@ static double next_deadline(struct dp_stream *s, double now, double rto)
             held = 1;                  /* expired but held back: due at a stall */
     }
     return held ? fmin(upcoming, s->ex_last_progress + rto) : upcoming;
+}
+
+/* Interrupt-style moderation: while at least half the window is still in flight, a
+ * RESULT taken in now only lets one more chunk out, and the aggregator has work queued
+ * for longer than the pause, so the loop sleeps (s->moderation) and takes in what
+ * gathered with one recvmmsg instead of waking once per RESULT (the aggregator answers
+ * slot by slot). Near the end of a window or a call it waits as before, so the tail
+ * latency does not grow. */
+static int moderate(const struct dp_stream *s, int progress)
+{
+    if (s->moderation <= 0 || !progress)
+        return 0;
+    int64_t outstanding = 0;
+    for (int64_t c = s->done_prefix, hi = sent_bound(s); c < hi; c++)
+        outstanding += s->sent[c] && !s->done[c];
+    return 2 * outstanding >= s->pool && outstanding >= 4;
+}
+
+static void pause_for(double seconds)
+{
+    struct timespec ts = timespec_of(seconds);
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+        ;
 }
 
 static void free_scratch(struct scratch *m)
@@ -470,7 +495,8 @@ int dp_run(struct dp_stream *s, int block, int64_t target)
         return DP_ERRNO;
     }
     for (;;) {
-        status = one_round(s, &m);
+        int progress;
+        status = one_round(s, &m, &progress);
         if (status != DP_DONE || !block || done_prefix(s) >= target)
             break;
         if (s->available < s->n_chunks && s->done_prefix >= s->available) {
@@ -480,6 +506,10 @@ int dp_run(struct dp_stream *s, int block, int64_t target)
         double now = monotonic_now();
         double wait = fmin(next_deadline(s, now, rto_of(s)) - now,
                            s->stream_last_progress + s->timeout - now);
+        if (wait > 0 && moderate(s, progress)) {
+            pause_for(fmin(s->moderation, wait));
+            wait = 0;                  /* then only look at the wake-up pipe */
+        }
         int woken = wait_input(s, wait);
         if (woken < 0 && errno != EINTR) {
             s->err = errno;

@@ -327,3 +327,28 @@ def test_a_background_stream_gives_exact_sums_range_by_range(aggregator, use_nat
     for t in ts:
         t.close()
     assert svc.counters()["jobs"][1]["results_multicast"] == 41
+
+
+def test_result_moderation_gathers_results_without_changing_them(aggregator):
+    """With RESULT moderation (the C loop pauses while half the window is in flight) the
+    sums are the same, exact, and the loop takes RESULTs in several per receive call
+    instead of waking for each; a pause that would hold the window shut is refused."""
+    vpp, pool, chunks = 256, 64, 400
+    idx = random_indices(1, chunks * vpp, 33)[0]
+    for moderation in (0.0, 0.002):
+        svc, addrs = aggregator(1, pool)
+        t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
+                                local=addrs[0], values_per_packet=vpp, timeout=15,
+                                native=True, moderation=moderation)
+        t.flush()
+        before = t.stats.recv_calls
+        res = t.allreduce(pack(idx), len(idx), 7)
+        recvs = t.stats.recv_calls - before
+        t.close()
+        assert np.array_equal(res.sums, TABLE[idx])
+        if moderation:
+            # a 2 ms pause lets several of the aggregator's slot-by-slot answers gather
+            assert recvs <= chunks // 2, recvs
+    with pytest.raises(ValueError, match="moderation"):
+        AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
+                            moderation=0.5)
