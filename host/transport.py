@@ -815,10 +815,12 @@ class TensorStream:
             raise ValueError(f"submit: values [{lo}, {hi}) of {ex.num_values}: every range but "
                              f"the last must end on a packet boundary (a multiple of {vpp})")
         c0, c1 = lo // vpp, -(-hi // vpp)
-        bufs, _ = encode_data(packed, num_values, vpp, job=t.job, worker=t.worker,
-                              tensor=ex.tensor, slots=self.slots[c0:c1],
-                              rounds=ex.rounds[c0:c1].astype(np.uint32), expected=t.expected,
-                              min_count=t.min_count, first_offset=lo)
+        # Straight into the stream's rows: the I/O thread reads only rows below
+        # `available`, which moves on (under the lock) after they are written.
+        encode_data(packed, num_values, vpp, job=t.job, worker=t.worker, tensor=ex.tensor,
+                    slots=self.slots[c0:c1], rounds=ex.rounds[c0:c1].astype(np.uint32),
+                    expected=t.expected, min_count=t.min_count, first_offset=lo,
+                    out=self.rows[c0:c1])
         per_partition = {}
         if partition_norms is not None and getattr(t.policy, "marks_partitions", False):
             per_partition = {"partition_norms": partition_norms,
@@ -829,7 +831,6 @@ class TensorStream:
         if tos.shape != (c1 - c0,):
             raise ValueError(f"policy returned {tos.shape} marks for {c1 - c0} packets")
         with self.lock:
-            self.rows[c0:c1, :bufs.shape[1]] = bufs
             self.packets.tos[c0:c1] = tos
             self.submitted = hi
             ex.available = c1

@@ -89,13 +89,15 @@ def _rows_of_nibbles(packed: np.ndarray, num_values: int, values_per_packet: int
 
 
 def encode_data(packed, num_values: int, values_per_packet: int, *, job, worker, tensor,
-                slots, rounds, expected, min_count=0, flags=0, first_offset=0):
+                slots, rounds, expected, min_count=0, flags=0, first_offset=0, out=None):
     """DATA packets (AGG header + packed 4-bit indices) for `num_values` values.
 
     `packed` holds the indices of the range, two per byte, the even value in the high
     nibble. Packet k carries values [k*vpp, min((k+1)*vpp, num_values)) at offset
     first_offset + k*vpp. `slots`, `rounds` (and the other header arguments) are scalars or
-    per-packet arrays. Returns (bufs uint8[n_pkts, 32 + ceil(vpp/2)], lengths int64[n_pkts]).
+    per-packet arrays. Returns (bufs uint8[n_pkts, 32 + ceil(vpp/2)], lengths int64[n_pkts]);
+    with `out` (uint8 rows of that shape, e.g. a stream's own datagram rows) every byte of
+    the packets is written there and `out` is returned as bufs, with no copy of the payload between.
     """
     packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
     if len(packed) < (num_values + 1) // 2:
@@ -103,12 +105,21 @@ def encode_data(packed, num_values: int, values_per_packet: int, *, job, worker,
                          f"{(num_values + 1) // 2}")
     n_pkts, counts = _split(num_values, values_per_packet)
     width = (values_per_packet + 1) // 2
-    bufs = np.zeros((n_pkts, HEADER_LEN + width), dtype=np.uint8)
+    if out is None:
+        bufs = np.zeros((n_pkts, HEADER_LEN + width), dtype=np.uint8)
+    elif out.shape != (n_pkts, HEADER_LEN + width) or out.dtype != np.uint8:
+        raise ValueError(f"out: expected uint8 rows of shape {(n_pkts, HEADER_LEN + width)}, "
+                         f"got {out.dtype} {out.shape}")
+    else:
+        bufs = out
     hdr = _headers(TYPE_DATA, counts, values_per_packet, job=job, worker=worker, tensor=tensor,
                    slots=slots, rounds=rounds, expected=expected, min_count=min_count,
                    flags=flags, first_offset=first_offset)
     bufs[:, :HEADER_LEN] = hdr.view(np.uint8).reshape(n_pkts, HEADER_LEN)
-    if n_pkts:
+    if n_pkts and values_per_packet % 2 == 0 and num_values == n_pkts * values_per_packet:
+        # Whole packets on byte boundaries: the packed bytes are the rows' payloads.
+        bufs[:, HEADER_LEN:] = packed[:n_pkts * width].reshape(n_pkts, width)
+    elif n_pkts:
         bufs[:, HEADER_LEN:] = _rows_of_nibbles(packed, num_values, values_per_packet, n_pkts)
     return bufs, HEADER_LEN + (counts + 1) // 2
 

@@ -205,3 +205,20 @@ def test_scatter_reassembles_shuffled_packets_at_any_alignment(base_offset, out_
     start = 1000 - base_offset
     np.testing.assert_array_equal(out[start:start + 1000], sums)
     assert not out[:start].any() and not out[start + 1000:].any()
+
+
+def test_encode_data_into_given_rows_matches_a_fresh_encoding():
+    """`out=`: the packets written straight into caller rows (a stream's own) are the
+    bytes of a fresh encoding, for whole packets and for a short last one; a wrong shape
+    is refused."""
+    for num_values, vpp in ((4 * 64, 64), (3 * 64 + 7, 64), (17, 6)):
+        idx = np.random.default_rng(num_values).integers(0, 16, num_values)
+        args = dict(job=3, worker=2, tensor=9, slots=np.arange(-(-num_values // vpp)),
+                    rounds=5, expected=0b111, first_offset=vpp)
+        fresh, lengths = encode_data(pack(idx), num_values, vpp, **args)
+        rows = np.full(fresh.shape, 0xAA, np.uint8)       # stale bytes must not survive
+        bufs, lengths_out = encode_data(pack(idx), num_values, vpp, out=rows, **args)
+        assert bufs is rows
+        assert np.array_equal(rows, fresh) and np.array_equal(lengths_out, lengths)
+    with pytest.raises(ValueError, match="out"):
+        encode_data(pack(idx), num_values, vpp, out=np.zeros((1, 8), np.uint8), **args)
