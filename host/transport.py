@@ -217,7 +217,8 @@ class AggregatorTransport:
     None: native where it is built and loads, else the Python path with a warning; either
     way only while batched and without GSO); moderation: seconds the native loop lets
     RESULTs gather before taking them in while at least half the window is in flight
-    (one wake-up for several RESULTs instead of one each; 0 = wake for every one).
+    (one wake-up for several RESULTs instead of one each), at most a quarter of the
+    smoothed RTT so the path stays busy; 0 = wake for every one.
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,

@@ -431,18 +431,22 @@ static double next_deadline(struct dp_stream *s, double now, double rto)
 
 /* Interrupt-style moderation: while at least half the window is still in flight, a
  * RESULT taken in now only lets one more chunk out, and the aggregator has work queued
- * for longer than the pause, so the loop sleeps (s->moderation) and takes in what
- * gathered with one recvmmsg instead of waking once per RESULT (the aggregator answers
- * slot by slot). Near the end of a window or a call it waits as before, so the tail
- * latency does not grow. */
-static int moderate(const struct dp_stream *s, int progress)
+ * for about half a round trip, so the loop sleeps and takes in what gathered with one
+ * recvmmsg instead of waking once per RESULT (the aggregator answers slot by slot). The
+ * pause is s->moderation, at most a quarter of the smoothed RTT (so the half window
+ * still in flight keeps the path busy while the loop sleeps), and none before the first
+ * RTT sample. Near the end of a window or a call it waits as before, so the tail latency
+ * does not grow. Returns the pause in seconds, 0 for none. */
+static double moderation_pause(const struct dp_stream *s, int progress)
 {
-    if (s->moderation <= 0 || !progress)
+    if (s->moderation <= 0 || !progress || !s->have_srtt)
         return 0;
     int64_t outstanding = 0;
     for (int64_t c = s->done_prefix, hi = sent_bound(s); c < hi; c++)
         outstanding += s->sent[c] && !s->done[c];
-    return 2 * outstanding >= s->pool && outstanding >= 4;
+    if (2 * outstanding < s->pool || outstanding < 4)
+        return 0;
+    return fmin(s->moderation, s->srtt / 4);
 }
 
 static void pause_for(double seconds)
@@ -506,8 +510,9 @@ int dp_run(struct dp_stream *s, int block, int64_t target)
         double now = monotonic_now();
         double wait = fmin(next_deadline(s, now, rto_of(s)) - now,
                            s->stream_last_progress + s->timeout - now);
-        if (wait > 0 && moderate(s, progress)) {
-            pause_for(fmin(s->moderation, wait));
+        double pause = wait > 0 ? moderation_pause(s, progress) : 0;
+        if (pause > 0) {
+            pause_for(fmin(pause, wait));
             wait = 0;                  /* then only look at the wake-up pipe */
         }
         int woken = wait_input(s, wait);
