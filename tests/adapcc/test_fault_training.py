@@ -62,7 +62,9 @@ def test_coordinator_default_is_the_paper_5x_rule_without_a_floor():
         assert all(r["faulty"] == [3] and r["expected"] == [0, 1, 2] for r in replies)
         fault = coord.faults[0]
         span = fault["rule_timeout_s"] / 5                     # phase-1 end - fastest ready
-        assert span >= coord.cycle                             # phase 1 starts on a cycle
+        # phase 1 starts on a cycle; the span is a difference of monotonic clock readings,
+        # whose rounding grows with the machine's uptime
+        assert span >= coord.cycle * (1 - 1e-6)
         assert fault["applied_timeout_s"] == fault["rule_timeout_s"]     # no floor
         assert fault["declared_after_s"] >= 6 * span           # span + 5x span after phase 1
         assert fault["declared_after_s"] < 2.0                 # long before the old 2 s floor
