@@ -227,17 +227,39 @@ def test_synthesizer_never_slower_than_hand_built_on_testbed_with_nics(prim):
     assert star > 2 * synth.modeled_time
 
 
-@pytest.mark.parametrize("prim,m", [("reduce", 1), ("reduce", 2), ("broadcast", 2),
-                                    ("allreduce", 1), ("allreduce", 2)])
-def test_milp_with_nic_relays_objective_equals_evaluate(prim, m):
-    net = make_cluster([2, 1, 1], [100, 25, 100], nic_nodes=True)
+OBJECTIVE_NETS = {
+    "gpus only": lambda: make_cluster([2, 1, 1], [100, 25, 100]),
+    "aggregator": lambda: make_cluster([1, 1, 1], [100, 100, 50], aggregator_gbps=100),
+    "nic relays": lambda: make_cluster([2, 1, 1], [100, 25, 100], nic_nodes=True),
+    "nic relays + aggregator": lambda: make_cluster([1, 1, 1], [100, 100, 50],
+                                                    aggregator_gbps=100, nic_nodes=True),
+}
+
+
+@pytest.mark.parametrize("net_name", list(OBJECTIVE_NETS))
+@pytest.mark.parametrize("prim,m", [(p, m) for p in ("reduce", "broadcast", "allreduce")
+                                    for m in (1, 2)])
+def test_milp_objective_equals_evaluate(net_name, prim, m):
+    """Aggregate-or-forward decided: the objective is evaluate's on the returned strategy, whose
+    aggregating sets hold the root and no relay (none at all for a Broadcast)."""
+    net = OBJECTIVE_NETS[net_name]()
     root = None if prim == "allreduce" else 0
     res = solve_milp(net, prim, 32 * MB, m=m, n_chunks=4, root=root, time_limit=60)
     assert res.optimal
     assert evaluate(net, res.strategy).time == pytest.approx(res.objective, rel=1e-6)
+    for sub in res.strategy.subs:
+        if prim == "broadcast":
+            assert sub.aggregate == frozenset()
+        else:
+            assert sub.root in sub.aggregate
+            assert all(net.kinds[i] != "nic" for i in sub.aggregate)
     for name, build in HAND_BUILT.items():                     # same chunk count, same M
         t = evaluate(net, build(net, prim, 0, 32 * MB, n_chunks=4, m=m)).time
         assert res.objective <= t * (1 + 1e-9), name
+    forced = solve_milp(net, prim, 32 * MB, m=m, n_chunks=4, root=root, time_limit=60,
+                        forwarding=False)                      # the older family: never better
+    assert evaluate(net, forced.strategy).time == pytest.approx(forced.objective, rel=1e-6)
+    assert res.objective <= forced.objective * (1 + 1e-6)
 
 
 def test_milp_with_nic_relays_and_aggregator():
@@ -246,3 +268,24 @@ def test_milp_with_nic_relays_and_aggregator():
     assert evaluate(net, res.strategy).time == pytest.approx(res.objective, rel=1e-6)
     ps = evaluate(net, S.aggregator_star(net, "reduce", 0, 16 * MB, n_chunks=8, m=2)).time
     assert res.objective <= ps * (1 + 1e-9)
+
+
+def test_a_tie_within_the_tolerance_goes_to_the_fewest_flows_into_one_node():
+    """The measured-links case (one slow host): star and tree are bound by the same slow link
+    in the pairwise model; with tie_tolerance the pick is the candidate within the band with
+    the fewest senders into one node, never slower than the band allows."""
+    from host.adapcc.synthesizer import max_fan_in
+    net = make_cluster([1, 1, 1, 1], [160, 160, 160, 40], nic_nodes=False)
+    star = S.star(net, "allreduce", 0, 0.5 * MB, 4, 1)
+    assert max_fan_in(star) == 3
+    assert max_fan_in(S.ring(net, "allreduce", 0, 0.5 * MB, 4, 1)) == 1
+    plain = Synthesizer("allreduce", 0.5 * MB, m=1, milp_max_nodes=4).synthesize(net)
+    tied = Synthesizer("allreduce", 0.5 * MB, m=1, milp_max_nodes=4,
+                       tie_tolerance=0.05).synthesize(net)
+    band = plain.modeled_time * 1.05
+    assert tied.modeled_time <= band
+    heuristics = Synthesizer("allreduce", 0.5 * MB, m=1, milp_max_nodes=0)
+    in_band = [c for _, c in heuristics._heuristic_candidates(net) if evaluate(net, c).time <= band]
+    assert in_band and max_fan_in(tied.strategy) <= min(max_fan_in(c) for c in in_band)
+    with pytest.raises(ValueError, match="tie_tolerance"):
+        Synthesizer("allreduce", MB, tie_tolerance=-1)

@@ -1,10 +1,15 @@
 """AdapCC experiments: synthesizer vs hand-built strategies, coordinator vs fixed policies.
 
     python -m host.experiments.adapcc.study --json results.json [--plots docs/img] [--trials 2000]
-                                            [--no-nic-nodes]
+                                            [--no-nic-nodes] [--small-m 4] [--parts synthesis]
 
 1. Synthesis on heterogeneous bandwidth matrices (modelled time, Eqs. 1-6): ring, binary tree,
    star, par-trees and (small graphs) the MILP.  Every hand-built strategy gets its best chunk count.
+   The small cases use M = 1 by default (about 10 s); ``--small-m 4`` gives them the paper's
+   M = 4: the MILP then takes 1-11 s per chunk count for Reduce and 8-120 s for AllReduce (2
+   cores), so ``--parts synthesis --small-m 4`` runs about 12 min with the 30 s limit per count
+   (most AllReduce counts stop there with their incumbent, ``milp_optimal`` false) and about
+   22 min with ``--milp-seconds 120`` (all but one count proven optimal).
    Each server's NIC is modelled as ``nic`` nodes (make_cluster(nic_nodes=True)), so a server's
    cross-server flows share its NIC; ``--no-nic-nodes`` gives the older per-GPU-pair links, which
    favour stars.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import matplotlib.pyplot as plt     # the Agg backend: host.experiments.common selects it
 import numpy as np
@@ -62,7 +68,14 @@ def _best(net, build, prim, size, m, root=0):
                for k in CHUNK_COUNTS)
 
 
-def synthesis_experiment(size=256 * MB, m_small=1, m_large=4, nic_nodes=True) -> list[dict]:
+def _forwarding(net, sub) -> set[int]:
+    """gpu/agg nodes of a sub-collective that pass flows on unmerged (a = 0 with children)."""
+    with_children = {p[k] for p in sub.routes.values() for k in range(1, len(p) - 1)}
+    return {i for i in with_children if net.kinds[i] != "nic" and i not in sub.aggregate}
+
+
+def synthesis_experiment(size=256 * MB, m_small=1, m_large=4, nic_nodes=True,
+                         milp_time_limit=30.0) -> list[dict]:
     rows = []
     cases = [(n, c, True) for n, c in SMALL_CASES.items()] + \
             [(n, c, False) for n, c in LARGE_CASES.items()]
@@ -82,10 +95,14 @@ def synthesis_experiment(size=256 * MB, m_small=1, m_large=4, nic_nodes=True) ->
             if "agg" in case:
                 row["aggregator_star"] = _best(net, S.aggregator_star, prim, size, m)
             if small:
-                res = optimize(net, prim, size, m=m, root=root, time_limit=30)
+                started = time.perf_counter()
+                res = optimize(net, prim, size, m=m, root=root, time_limit=milp_time_limit)
+                row["milp_total_s"] = time.perf_counter() - started     # every chunk count
                 row["milp"] = evaluate(net, res.strategy).time
-                row["milp_solve_s"] = res.solve_seconds
+                row["milp_solve_s"] = res.solve_seconds                   # the best count's solve
                 row["milp_optimal"] = res.optimal
+                row["milp_forwarding_nodes"] = sorted(
+                    net.names[i] for s in res.strategy.subs for i in _forwarding(net, s))
             if small:
                 # hand-built first: on a tie the pick is the simpler strategy
                 method = min(("ring", "binary_tree", "star", "par_trees", "milp"),
@@ -216,9 +233,17 @@ def coordinator_experiment(trials=2000, seed=0, case="calibrated") -> dict:
 
 
 def plot(results: dict, outdir: str) -> list[str]:
+    """The figures of the parts that ran."""
     os.makedirs(outdir, exist_ok=True)
     written = []
-    rows = results["synthesis"]
+    for part, draw in (("synthesis", _plot_synthesis), ("volatility", _plot_volatility),
+                       ("coordinator", _plot_coordinator)):
+        if part in results:
+            draw(results[part], outdir, written)
+    return written
+
+
+def _plot_synthesis(rows, outdir, written):
     keys = ["ring", "binary_tree", "star", "par_trees", "synthesizer"]
     fig, ax = plt.subplots(figsize=(12, 4))
     width = 0.16
@@ -234,7 +259,8 @@ def plot(results: dict, outdir: str) -> list[str]:
     ax.set_title("AdapCC cost model: synthesized vs hand-built strategies")
     save_figure(fig, outdir, "adapcc_synthesis.png", written)
 
-    vol = results["volatility"]
+
+def _plot_volatility(vol, outdir, written):
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.plot([t["static"] * 1e3 for t in vol["trace"]], label="static strategy")
     ax.plot([t["adaptive"] * 1e3 for t in vol["trace"]], label="re-synthesized each period")
@@ -244,7 +270,8 @@ def plot(results: dict, outdir: str) -> list[str]:
     ax.set_title(f"volatile NICs: makespan speed-up {vol['speedup']:.2f}x")
     save_figure(fig, outdir, "adapcc_volatility.png", written)
 
-    cases = results["coordinator"]
+
+def _plot_coordinator(cases, outdir, written):
     fig, axes = plt.subplots(len(cases), 2, figsize=(11, 3.2 * len(cases)), squeeze=False)
     for row, (case, coord) in zip(axes, cases.items()):
         for ax, (scenario, res) in zip(row, coord["scenarios"].items()):
@@ -257,34 +284,27 @@ def plot(results: dict, outdir: str) -> list[str]:
             ax.set_title(f"coordinator, {case} case, {scenario} ready times", fontsize=9)
             ax.legend(fontsize=7)
     save_figure(fig, outdir, "adapcc_coordinator.png", written)
-    return written
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.study",
-                                 description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json")
-    ap.add_argument("--plots", default="docs/img")
-    ap.add_argument("--trials", type=int, default=2000)
-    ap.add_argument("--no-nic-nodes", action="store_true",
-                    help="per-GPU-pair cross-server links (no shared NIC): the older model")
-    args = ap.parse_args(argv)
-    results = {"synthesis": synthesis_experiment(nic_nodes=not args.no_nic_nodes),
-               "volatility": volatility_experiment(),
-               "coordinator": {case: coordinator_experiment(args.trials, case=case)
-                               for case in READY_TIME_CASES}}
-    print(f"{'case':48} {'prim':9} {'ring':>8} {'tree':>8} {'star':>8} {'partree':>8} "
+def _print_synthesis(rows):
+    print(f"{'case':48} {'prim':9} {'M':>2} {'ring':>8} {'tree':>8} {'star':>8} {'partree':>8} "
           f"{'milp':>8} {'synth':>8} {'x ring':>7} {'x tree':>7}")
-    for r in results["synthesis"]:
+    for r in rows:
         milp = f"{r['milp'] * 1e3:8.2f}" if "milp" in r else f"{'-':>8}"
-        print(f"{r['case'][:48]:48} {r['primitive']:9} {r['ring'] * 1e3:8.2f} "
+        solve = f" (MILP {r['milp_total_s']:.1f} s)" if "milp" in r else ""
+        print(f"{r['case'][:48]:48} {r['primitive']:9} {r['m']:2d} {r['ring'] * 1e3:8.2f} "
               f"{r['binary_tree'] * 1e3:8.2f} {r['star'] * 1e3:8.2f} {r['par_trees'] * 1e3:8.2f} "
               f"{milp} {r['synthesizer'] * 1e3:8.2f} {r['speedup_vs_ring']:7.2f} "
-              f"{r['speedup_vs_binary_tree']:7.2f} {r['synthesizer_method']}")
-    v = results["volatility"]
+              f"{r['speedup_vs_binary_tree']:7.2f} {r['synthesizer_method']}{solve}")
+
+
+def _print_volatility(v):
     print(f"volatility: {v['resyntheses']} re-syntheses, makespan static {v['static_makespan']:.3f}s "
           f"vs adaptive {v['adaptive_makespan']:.3f}s ({v['speedup']:.2f}x)")
-    for case, c in results["coordinator"].items():
+
+
+def _print_coordinator(cases):
+    for case, c in cases.items():
         for scenario, res in c["scenarios"].items():
             print(f"coordinator, {case} case, {scenario} (C_full = {c['c_full_ms']:.1f} ms, median "
                   f"wait ratio {res['median_wait_ratio']:.3f} vs Fig. 3 "
@@ -295,14 +315,52 @@ def main(argv=None):
             for name, p in res["policies"].items():
                 print(f"  {name:14} mean {p['mean_ms']:7.1f} ms  p90 {p['p90_ms']:7.1f} ms  "
                       f"mean/opt {p['mean_ratio_to_opt']:.2f}  max/opt {p['max_ratio_to_opt']:.2f}")
+
+
+PARTS = ("synthesis", "volatility", "coordinator")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m host.experiments.adapcc.study",
+                                 description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json")
+    ap.add_argument("--plots", default="docs/img", help="figure folder ('' for none)")
+    ap.add_argument("--trials", type=int, default=2000)
+    ap.add_argument("--no-nic-nodes", action="store_true",
+                    help="per-GPU-pair cross-server links (no shared NIC): the older model")
+    ap.add_argument("--small-m", type=int, default=1,
+                    help="M for the small (MILP-sized) cases; the paper uses 4 (minutes)")
+    ap.add_argument("--milp-seconds", type=float, default=30.0,
+                    help="HiGHS time limit per chunk count (the best incumbent is kept)")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"comma-separated subset of {','.join(PARTS)}")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}")
+    results = {}
+    if "synthesis" in parts:
+        results["synthesis"] = synthesis_experiment(m_small=args.small_m,
+                                                    nic_nodes=not args.no_nic_nodes,
+                                                    milp_time_limit=args.milp_seconds)
+        _print_synthesis(results["synthesis"])
+    if "volatility" in parts:
+        results["volatility"] = volatility_experiment()
+        _print_volatility(results["volatility"])
+    if "coordinator" in parts:
+        results["coordinator"] = {case: coordinator_experiment(args.trials, case=case)
+                                  for case in READY_TIME_CASES}
+        _print_coordinator(results["coordinator"])
     if args.plots:
         for path in plot(results, args.plots):
             print("wrote", path)
     if args.json:
         slim = dict(results)
-        slim["coordinator"] = {case: {**c, "scenarios": {
-            k: {kk: vv for kk, vv in v.items() if kk != "_raw"}
-            for k, v in c["scenarios"].items()}} for case, c in results["coordinator"].items()}
+        if "coordinator" in results:
+            slim["coordinator"] = {case: {**c, "scenarios": {
+                k: {kk: vv for kk, vv in v.items() if kk != "_raw"}
+                for k, v in c["scenarios"].items()}} for case, c in results["coordinator"].items()}
         with open(args.json, "w") as f:
             json.dump(slim, f, indent=1)
         print("wrote", args.json)
