@@ -65,7 +65,7 @@ struct dp_stream {
     double srtt, rttvar, rto_init, rto_min, rto_max, timeout;
     int64_t sock_tos, ect_retx, heard;
     int64_t wake_fd;             /* -1, or a pipe whose input ends a blocking call */
-    double moderation;           /* seconds to let RESULTs gather while the window is full */
+    double moderation;           /* seconds RESULTs may gather (moderation_pause) */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
