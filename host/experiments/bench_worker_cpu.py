@@ -1,12 +1,14 @@
 """Benchmark: one worker's CPU time per THC allreduce call, native data path on and off.
 
     python -m host.experiments.bench_worker_cpu [--mb 16] [--calls 10]
-                                    [--values-per-packet 8192] [--pool 64] [--json F]
+                                    [--values-per-packet 8192] [--pool 64]
+                                    [--moderation-us 0,250] [--json F]
 
 One worker (a gloo process group of one) calls `THCAllreduce` with an `AggregatorExchange`
 on a float32 tensor of --mb MB, through the reference aggregator as a UDP service in a
 child process on loopback (so the aggregator's CPU is not the worker's). For each data
-path (host.native on, then off) it reports, per call:
+path (host.native once per --moderation-us value, the C loop's RESULT moderation; then the
+Python path) it reports, per call, with the receive syscalls per call beside it:
 
 * total: the worker process's CPU time (every thread: caller, exchange thread, the
   stream's I/O thread, Numba's) over --calls calls, divided by the calls;
@@ -196,14 +198,19 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
     d = int(mb * (1 << 20)) // 4
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(d).astype(np.float32))
     codec = thc.THCCodec(bits=4, granularity=30, p=1 / 32, seed=0)
-    if not dist.is_initialized():
+    own_group = not dist.is_initialized()
+    if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_tcp_port()}",
                                 rank=0, world_size=1)
     paths = [(True, us) for us in moderations_us] if native.available() else []
     results = {"floor": None, "paths": []}
-    for use_native, us in paths + [(False, 0.0)]:
-        results["paths"].append(measure_path(use_native, codec, x, calls=calls, pool=pool,
-                                             vpp=vpp, moderation=us * 1e-6))
+    try:
+        for use_native, us in paths + [(False, 0.0)]:
+            results["paths"].append(measure_path(use_native, codec, x, calls=calls, pool=pool,
+                                                 vpp=vpp, moderation=us * 1e-6))
+    finally:
+        if own_group:
+            dist.destroy_process_group()
     # The codec's work on the call's own pipeline chunks.
     floor = codec_floor(codec, x, results["paths"][0]["pipeline_chunks"],
                         repeats=max(3, calls // 2))
