@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass
 
 from .costmodel import Network, Strategy, SubCollective, evaluate, tree_routes
+from .synthesizer import CHUNK_COUNTS
 
 
 @dataclass
@@ -99,7 +100,7 @@ def sub_collective_shapes(net: Network, primitive: str, root: int | None = None,
 
 
 def exhaustive(net: Network, primitive: str, total_bytes: float, m: int = 1,
-               root: int | None = None, chunk_counts=(1, 2, 4, 8, 16, 32),
+               root: int | None = None, chunk_counts=CHUNK_COUNTS,
                forwarding: bool = True, chunk_per_sub: bool = False) -> ExhaustiveResult:
     """The cheapest strategy (by ``evaluate``) over the whole enumerated space (module doc)."""
     size = total_bytes / m
