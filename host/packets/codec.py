@@ -65,18 +65,24 @@ def _headers(ptype: int, counts: np.ndarray, values_per_packet: int, *, job, wor
     return hdr
 
 
-def _rows_of_nibbles(packed: np.ndarray, num_values: int, values_per_packet: int,
-                     n_pkts: int) -> np.ndarray:
-    """Packed payload rows (n_pkts, ceil(vpp/2)) with every padding nibble zero."""
-    width = (values_per_packet + 1) // 2
+def _write_nibble_rows(payload: np.ndarray, packed: np.ndarray, num_values: int,
+                       values_per_packet: int) -> None:
+    """Fill payload rows (n_pkts, ceil(vpp/2)) with the packed indices, every padding
+    nibble zero (whatever the rows held before)."""
+    n_pkts, width = payload.shape
     if values_per_packet % 2 == 0:
-        # Packet boundaries fall on byte boundaries: a reshape of the packed bytes.
-        flat = np.zeros(n_pkts * width, dtype=np.uint8)
-        nbytes = (num_values + 1) // 2
-        flat[:nbytes] = packed[:nbytes]
-        if num_values % 2:
-            flat[nbytes - 1] &= 0xF0           # the odd tail's padding nibble
-        return flat.reshape(n_pkts, width)
+        # Packet boundaries fall on byte boundaries: whole packets are a reshape of the
+        # packed bytes, copied in place; only a short last packet needs zero padding.
+        full = num_values // values_per_packet
+        payload[:full] = packed[:full * width].reshape(full, width)
+        if full < n_pkts:
+            lo, nbytes = full * width, (num_values + 1) // 2
+            tail = payload[full]
+            tail[:] = 0
+            tail[:nbytes - lo] = packed[lo:nbytes]
+            if num_values % 2:
+                tail[nbytes - lo - 1] &= 0xF0          # the odd tail's padding nibble
+        return
     # Odd vpp: boundaries split bytes, so unpack to one index per value and re-pack rows.
     idx = np.empty(2 * len(packed), dtype=np.uint8)
     idx[0::2] = packed >> 4
@@ -85,7 +91,7 @@ def _rows_of_nibbles(packed: np.ndarray, num_values: int, values_per_packet: int
     flat_vals = np.zeros(n_pkts * values_per_packet, dtype=np.uint8)
     flat_vals[:num_values] = idx[:num_values]
     rows[:, :values_per_packet] = flat_vals.reshape(n_pkts, values_per_packet)
-    return (rows[:, 0::2] << 4) | rows[:, 1::2]
+    payload[:] = (rows[:, 0::2] << 4) | rows[:, 1::2]
 
 
 def encode_data(packed, num_values: int, values_per_packet: int, *, job, worker, tensor,
@@ -116,11 +122,8 @@ def encode_data(packed, num_values: int, values_per_packet: int, *, job, worker,
                    slots=slots, rounds=rounds, expected=expected, min_count=min_count,
                    flags=flags, first_offset=first_offset)
     bufs[:, :HEADER_LEN] = hdr.view(np.uint8).reshape(n_pkts, HEADER_LEN)
-    if n_pkts and values_per_packet % 2 == 0 and num_values == n_pkts * values_per_packet:
-        # Whole packets on byte boundaries: the packed bytes are the rows' payloads.
-        bufs[:, HEADER_LEN:] = packed[:n_pkts * width].reshape(n_pkts, width)
-    elif n_pkts:
-        bufs[:, HEADER_LEN:] = _rows_of_nibbles(packed, num_values, values_per_packet, n_pkts)
+    if n_pkts:
+        _write_nibble_rows(bufs[:, HEADER_LEN:], packed, num_values, values_per_packet)
     return bufs, HEADER_LEN + (counts + 1) // 2
 
 
