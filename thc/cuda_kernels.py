@@ -5,10 +5,16 @@ Same semantics and the same float32 operation order as thc.reference and the CPU
 no fused multiply-add pattern is present in the quantizer). Torch CUDA tensors are viewed through
 __cuda_array_interface__ (no copies); outputs come back as torch tensors on the same
 device, or as Numba device arrays for Numba inputs. Tested under NUMBA_ENABLE_CUDASIM=1.
+
+Where torch has CUDA, the kernels run on torch's current stream and new buffers come from
+torch's caching allocator: a call then neither waits for the GPU to drain (importing a torch
+tensor on its own stream needs no synchronization) nor pays cudaMalloc and cudaFree for
+each tensor-sized output. The codec's constant tables are copied to the device once.
 """
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 from numba import cuda
@@ -38,8 +44,53 @@ def _negate(key, pos):
     return (_bits(key, upos >> U6) >> (upos & U63MASK)) & U_ONE
 
 
-def _grid(n: int) -> tuple[int, int]:
-    return max((n + THREADS - 1) // THREADS, 1), THREADS
+def _grid(n: int, stream) -> tuple:
+    """Launch configuration: one thread per item, on `stream`."""
+    return max((n + THREADS - 1) // THREADS, 1), THREADS, stream
+
+
+def _torch_cuda():
+    """torch where it is loaded and has CUDA (it is never imported here), else None."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_available() else None
+
+
+_STREAMS: dict = {}
+
+
+def _stream():
+    """torch's current stream where torch has CUDA (so the codec's work is ordered with the
+    caller's), else the default stream."""
+    torch = _torch_cuda()
+    handle = torch.cuda.current_stream().cuda_stream if torch is not None else 0
+    found = _STREAMS.get(handle)
+    if found is None:
+        found = _STREAMS[handle] = cuda.external_stream(handle) if handle else \
+            cuda.default_stream()
+    return found
+
+
+def _empty(n: int, dtype):
+    """An uninitialized device array: from torch's caching allocator where torch has CUDA."""
+    torch = _torch_cuda()
+    if torch is None:
+        return cuda.device_array(n, dtype=dtype)
+    t = torch.empty(n, dtype=getattr(torch, np.dtype(dtype).name),
+                    device=torch.device("cuda", torch.cuda.current_device()))
+    return cuda.as_cuda_array(t, sync=False)
+
+
+_CONSTANTS: dict = {}
+
+
+def _constant(array: np.ndarray):
+    """A device copy of a small constant table (the codec's), made once per content."""
+    device = getattr(cuda.get_current_device(), "id", 0)      # the simulator's has none
+    key = (array.dtype.str, array.tobytes(), device)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = cuda.to_device(array)
+    return found
 
 
 # ---- kernels ----------------------------------------------------------------------------
@@ -67,21 +118,29 @@ def _chunk_sumsq(x, chunk, log_p, sums):
 
 
 @cuda.jit
-def _sign_scale_pad(x, out, d, start, n, key, scale):
-    i = cuda.grid(1)
-    if i < n:
-        pos = start + i
-        v = x[pos] * scale if pos < d else np.float32(0.0)
-        out[pos] = -v if _negate(key, pos) else v
-
-
-@cuda.jit
 def _sign_scale_unpad(buf, out, d, start, n, key, scale):
     i = cuda.grid(1)
     pos = start + i
     if i < n and pos < d:
         v = buf[pos] * scale
         out[pos] = -v if _negate(key, pos) else v
+
+
+@cuda.jit(device=True)
+def _shared_stages(sm, t, block):
+    """Every stride below `block` of the FWHT held in shared memory, ascending (the
+    reference's order); thread t does one butterfly per stride. The index arithmetic is
+    shifts and masks: a division by the stride costs tens of instructions per butterfly."""
+    log_h = 0
+    while (1 << log_h) < block:
+        h = 1 << log_h
+        i = ((t >> log_h) << (log_h + 1)) | (t & (h - 1))
+        a = sm[i]
+        c = sm[i + h]
+        sm[i] = a + c
+        sm[i + h] = a - c
+        cuda.syncthreads()
+        log_h += 1
 
 
 @cuda.jit
@@ -93,17 +152,27 @@ def _fwht_shared(buf, start, block):
     for i in range(t, block, cuda.blockDim.x):
         sm[i] = buf[base + i]
     cuda.syncthreads()
-    h = 1
-    while h < block:
-        i = (t // h) * 2 * h + (t % h)
-        a = sm[i]
-        c = sm[i + h]
-        sm[i] = a + c
-        sm[i + h] = a - c
-        cuda.syncthreads()
-        h *= 2
+    _shared_stages(sm, t, block)
     for i in range(t, block, cuda.blockDim.x):
         buf[base + i] = sm[i]
+
+
+@cuda.jit
+def _sign_fwht_shared(x, out, d, start, block, key, scale):
+    """The RHT's first pass: each block loads its slice of x scaled by 1/sqrt(n), with the
+    random signs and the zero padding applied (_sign_scale_unpad's inverse), runs the
+    shared-memory strides and writes out."""
+    sm = cuda.shared.array(SHARED_FWHT, dtype=np.float32)
+    t = cuda.threadIdx.x
+    base = start + cuda.blockIdx.x * block
+    for i in range(t, block, cuda.blockDim.x):
+        pos = base + i
+        v = x[pos] * scale if pos < d else np.float32(0.0)
+        sm[i] = -v if _negate(key, pos) else v
+    cuda.syncthreads()
+    _shared_stages(sm, t, block)
+    for i in range(t, block, cuda.blockDim.x):
+        out[base + i] = sm[i]
 
 
 @cuda.jit
@@ -221,7 +290,8 @@ def as_flat(x, name, dtype="float32"):
         t = x.detach().reshape(-1)
         if dtype is not None and t.dtype != getattr(torch_module(), dtype):
             t = t.to(getattr(torch_module(), dtype))
-        return cuda.as_cuda_array(t.contiguous())
+        # made on the stream the kernels run on (_stream): no synchronization needed
+        return cuda.as_cuda_array(t.contiguous(), sync=False)
     a = x.reshape(x.size) if len(x.shape) != 1 else x
     if dtype is not None and a.dtype != np.dtype(dtype):
         a = cuda.to_device(a.copy_to_host().astype(dtype))
@@ -248,103 +318,120 @@ def as_counts(counts, padded):
     c = c.astype(np.float32).reshape(-1)
     if c.shape[0] not in (1, padded):
         raise ValueError(f"counts: per-element counts need length {padded}, got {c.shape}")
-    return cuda.to_device(c)
+    return cuda.to_device(c, stream=_stream())
 
 
 def partition_norms(a, layout):
-    sums = cuda.to_device(np.zeros(layout.num_partitions, dtype=np.float64))
+    s = _stream()
+    sums = cuda.to_device(np.zeros(layout.num_partitions, dtype=np.float64), stream=s)
     if layout.d:
         chunk = min(layout.partition_size, NORM_CHUNK)
         blocks = (layout.d + chunk - 1) // chunk
-        _chunk_sumsq[blocks, THREADS](a, chunk, layout.partition_size.bit_length() - 1, sums)
-    return np.sqrt(sums.copy_to_host()).astype(np.float32)
+        _chunk_sumsq[blocks, THREADS, s](a, chunk, layout.partition_size.bit_length() - 1,
+                                         sums)
+    host = sums.copy_to_host(stream=s)
+    s.synchronize()
+    return np.sqrt(host).astype(np.float32)
 
 
 def pad(a, layout):
-    out = cuda.to_device(np.zeros(layout.padded, dtype=np.float32))
-    out[:layout.d] = a
+    s = _stream()
+    out = cuda.to_device(np.zeros(layout.padded, dtype=np.float32), stream=s)
+    out[:layout.d].copy_to_device(a, stream=s)
     return out
 
 
 def unpad(a, layout):
-    out = cuda.device_array(layout.d, dtype=np.float32)
-    out[:] = a[:layout.d]
+    out = _empty(layout.d, np.float32)
+    out.copy_to_device(a[:layout.d], stream=_stream())
     return out
 
 
-def fwht_inplace(buf, start: int, total: int, n: int) -> None:
+def fwht_inplace(buf, start: int, total: int, n: int, s) -> None:
     """Unnormalized FWHT of each size-n partition in buf[start:start+total]: strides below
     2048 in shared memory, then two global strides per launch."""
     block = min(n, SHARED_FWHT)
-    _fwht_shared[total // block, block // 2](buf, start, block)
+    _fwht_shared[total // block, block // 2, s](buf, start, block)
+    fwht_global(buf, start, total, n, block, s)
+
+
+def fwht_global(buf, start: int, total: int, n: int, block: int, s) -> None:
+    """The FWHT's strides from `block` up to n/2, two per launch where they pair up."""
     log_h = block.bit_length() - 1
     log_n = n.bit_length() - 1
     while log_h + 2 <= log_n:
-        _fwht_stage4[_grid(total // 4)](buf, start, total, log_h)
+        _fwht_stage4[_grid(total // 4, s)](buf, start, total, log_h)
         log_h += 2
     if log_h < log_n:
-        _fwht_stage[_grid(total // 2)](buf, start, total, log_h)
+        _fwht_stage[_grid(total // 2, s)](buf, start, total, log_h)
 
 
 def rotate(a, layout, sign_key):
-    out = cuda.device_array(layout.padded, dtype=np.float32)
+    s = _stream()
+    out = _empty(layout.padded, np.float32)
     key = np.uint64(sign_key)
-    for s, total, n in layout.segments():
-        _sign_scale_pad[_grid(total)](a, out, layout.d, s, total, key,
-                                      np.float32(1.0 / np.sqrt(n)))
-        fwht_inplace(out, s, total, n)
+    for start, total, n in layout.segments():
+        block = min(n, SHARED_FWHT)
+        _sign_fwht_shared[total // block, block // 2, s](a, out, layout.d, start, block, key,
+                                                         np.float32(1.0 / np.sqrt(n)))
+        fwht_global(out, start, total, n, block, s)
     return out
 
 
 def inverse_rotate(a, layout, sign_key, overwrite=False):
+    s = _stream()
     if overwrite:
         buf = a
     else:
-        buf = cuda.device_array(layout.padded, dtype=np.float32)
-        buf[:] = a
-    out = cuda.device_array(layout.d, dtype=np.float32)
+        buf = _empty(layout.padded, np.float32)
+        buf.copy_to_device(a, stream=s)
+    out = _empty(layout.d, np.float32)
     key = np.uint64(sign_key)
-    for s, total, n in layout.segments():
-        fwht_inplace(buf, s, total, n)
-        _sign_scale_unpad[_grid(total)](buf, out, layout.d, s, total, key,
-                                        np.float32(1.0 / np.sqrt(n)))
+    for start, total, n in layout.segments():
+        fwht_inplace(buf, start, total, n, s)
+        _sign_scale_unpad[_grid(total, s)](buf, out, layout.d, start, total, key,
+                                           np.float32(1.0 / np.sqrt(n)))
     return out
 
 
 def quantize(a, half, scale, codec, layout, key):
-    out = cuda.device_array(layout.padded // 2, dtype=np.uint8)
-    nonfinite = cuda.to_device(np.zeros(1, dtype=np.int32))
-    _quantize[_grid(out.shape[0])](a, cuda.to_device(half), cuda.to_device(scale),
-                                   cuda.to_device(codec.table_f32), cuda.to_device(codec.lower),
-                                   cuda.to_device(codec.inv_width),
-                                   layout.partition_size.bit_length() - 1, np.uint64(key), out,
-                                   nonfinite)
-    return out, int(nonfinite.copy_to_host()[0])
+    s = _stream()
+    out = _empty(layout.padded // 2, np.uint8)
+    nonfinite = cuda.to_device(np.zeros(1, dtype=np.int32), stream=s)
+    _quantize[_grid(out.shape[0], s)](
+        a, cuda.to_device(half, stream=s), cuda.to_device(scale, stream=s),
+        _constant(codec.table_f32), _constant(codec.lower), _constant(codec.inv_width),
+        layout.partition_size.bit_length() - 1, np.uint64(key), out, nonfinite)
+    count = nonfinite.copy_to_host(stream=s)
+    s.synchronize()
+    return out, int(count[0])
 
 
 def lookup(packed, table_u8):
-    out = cuda.device_array(2 * packed.shape[0], dtype=np.uint8)
-    _lookup[_grid(packed.shape[0])](packed, cuda.to_device(table_u8), out)
+    s = _stream()
+    out = _empty(2 * packed.shape[0], np.uint8)
+    _lookup[_grid(packed.shape[0], s)](packed, _constant(table_u8), out)
     return out
 
 
 def decode_rotated(sums, counts, half, step, layout):
     if np.dtype(sums.dtype).kind not in "iu":
         raise TypeError(f"sums must be an integer array, got {sums.dtype}")
-    out = cuda.device_array(layout.padded, dtype=np.float32)
-    _decode_rotated[_grid(layout.padded)](sums, counts, cuda.to_device(half),
-                                          cuda.to_device(step),
-                                          layout.partition_size.bit_length() - 1, out)
+    s = _stream()
+    out = _empty(layout.padded, np.float32)
+    _decode_rotated[_grid(layout.padded, s)](sums, counts, cuda.to_device(half, stream=s),
+                                             cuda.to_device(step, stream=s),
+                                             layout.partition_size.bit_length() - 1, out)
     return out
 
 
 def add_inplace(a, b):
-    _add_inplace[_grid(a.shape[0])](a, b)
+    _add_inplace[_grid(a.shape[0], _stream())](a, b)
 
 
 def subtract(a, b, out):
-    _subtract[_grid(out.shape[0])](a, b, out)
+    _subtract[_grid(out.shape[0], _stream())](a, b, out)
 
 
 def copy_into(dst, src):
-    dst.copy_to_device(src)
+    dst.copy_to_device(src, stream=_stream())

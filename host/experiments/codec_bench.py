@@ -372,31 +372,91 @@ def _speed_error_feedback(codec, x, reps):
 
 
 def _speed_cuda(codec, ref, x, norms, reps):
+    """The same stages on the GPU: Numba CUDA kernels (thc/cuda_kernels.py) against the same
+    algorithm in torch CUDA, and a worker's whole codec round per call with its host copies
+    (the packed indices to the host for the network, the aggregated sums back), against a
+    device-to-device copy of the input as the bandwidth bound. Medians of at least 20 runs,
+    synchronized; the GPU's first run of each (kernel compilation) is not timed."""
     d = len(x)
     gbytes = 4 * d / 1e9
+    reps = max(reps, 20)
+    codec = THCCodec(backend="cuda", partition_size=codec.partition_size, seed=codec.seed)
+    ref = TorchTHC(codec)
     xc = torch.from_numpy(x).cuda()
     norms_c = torch.from_numpy(norms).cuda()
-    sums_c = codec.lookup(codec.quantize(codec.rotate(xc), norms, worker=0, round=0,
-                                         tensor=0)).to(torch.int32)
+    rot_c = codec.rotate(xc)
+    packed_c = codec.quantize(rot_c, norms, worker=0, round=0, tensor=0)
+    sums_c = codec.lookup(packed_c).to(torch.int32)
+    sums_host = sums_c.to(torch.uint8).cpu().pin_memory()    # as the transport delivers them
+    packed_host = torch.empty(packed_c.shape, dtype=packed_c.dtype).pin_memory()
     sync = torch.cuda.synchronize
+
+    def worker_round():
+        n = codec.partition_norms(xc)
+        packed_host.copy_(codec.quantize(codec.rotate(xc), n, worker=0, round=0, tensor=0))
+        codec.decode(sums_host.cuda(non_blocking=True), 1, n, d)
+
     cases = {
-        "compress": (lambda: codec.quantize(codec.rotate(xc), codec.partition_norms(xc),
-                                            worker=0, round=0, tensor=0),
-                     lambda: ref.quantize(ref.rotate(xc), ref.partition_norms(xc))),
-        "decompress": (lambda: codec.decode(sums_c, 1, norms, d),
-                       lambda: ref.decode(sums_c, 1, norms_c, d)),
+        "compress (norms+RHT+quantize)": (
+            lambda: codec.quantize(codec.rotate(xc), codec.partition_norms(xc),
+                                   worker=0, round=0, tensor=0),
+            lambda: ref.quantize(ref.rotate(xc), ref.partition_norms(xc))),
+        "decompress (decode+inverse RHT)": (lambda: codec.decode(sums_c, 1, norms, d),
+                                            lambda: ref.decode(sums_c, 1, norms_c, d)),
+        "RHT": (lambda: codec.rotate(xc), lambda: ref.rotate(xc)),
+        "quantize+pack": (lambda: codec.quantize(rot_c, norms, worker=0, round=0, tensor=0),
+                          lambda: ref.quantize(rot_c, norms_c)),
+        "worker round (+host copies)": (worker_round, None),
     }
     copy_s = _median_time(lambda: xc.clone(), reps, sync)
     rows = []
     for name, (numba_fn, torch_fn) in cases.items():
-        tn, tt = _median_time(numba_fn, reps, sync), _median_time(torch_fn, reps, sync)
-        rows.append([name, gbytes / tn, gbytes / tt, tt / tn])
-    print_table("CUDA (GB/s of float32 input)", ["stage", "Numba CUDA", "torch CUDA",
-                                                 "Numba/torch"], rows)
-    print(f"device copy: {gbytes / copy_s:.1f} GB/s")
-    return {"copy_gbs": gbytes / copy_s,
-            "stages": [dict(zip(["stage", "numba_gbs", "torch_gbs", "speedup"], r))
-                       for r in rows]}
+        tn = _median_time(numba_fn, reps, sync)
+        tt = _median_time(torch_fn, reps, sync) if torch_fn else None
+        rows.append([name, gbytes / tn, gbytes / tt if tt else None,
+                     tt / tn if tt else None, tn * 1e3, tt * 1e3 if tt else None])
+    print_table(f"CUDA, {torch.cuda.get_device_name(0)} (GB/s of float32 input)",
+                ["stage", "Numba CUDA GB/s", "torch CUDA GB/s", "Numba/torch", "Numba ms",
+                 "torch ms"], rows)
+    print(f"device copy: {gbytes / copy_s:.1f} GB/s of input ({copy_s * 1e3:.3f} ms; read "
+          f"and write: {2 * gbytes / copy_s:.0f} GB/s)")
+    return {"device": torch.cuda.get_device_name(0), "copy_gbs": gbytes / copy_s,
+            "copy_ms": copy_s * 1e3, "worker_round_profile": _profile_cuda(worker_round),
+            "stages": [dict(zip(["stage", "numba_gbs", "torch_gbs", "speedup", "numba_ms",
+                                 "torch_ms"], r)) for r in rows]}
+
+
+def _profile_cuda(fn, rounds=5):
+    """Where a GPU worker round's time goes: torch's profiler (CUPTI sees the Numba kernels
+    too) over a few rounds; the GPU's busy time per round against the round's wall time,
+    and the kernels and copies by device time."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / rounds
+    rows = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(e, "self_cuda_time_total", 0)
+        # the kernels and copies themselves (device_type CUDA), not the CPU ops that
+        # launched them, which carry the same time again
+        if device_us > 0 and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            rows.append([e.key[:60], e.count / rounds, device_us / rounds / 1e3])
+    rows.sort(key=lambda r: -r[2])
+    busy_ms = sum(r[2] for r in rows)
+    print(f"\nGPU worker round, profiled: {len(rows)} kernels or copies seen")
+    if rows:
+        print_table(f"GPU worker round, profiled ({rounds} rounds; wall {wall_ms:.3f} ms per round "
+                    f"under the profiler, GPU busy {busy_ms:.3f} ms)",
+                    ["kernel or copy", "per round", "device ms per round"], rows[:14])
+    return {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
+            "items": [dict(zip(["name", "per_round", "device_ms"], r)) for r in rows]}
 
 
 def main(argv=None):

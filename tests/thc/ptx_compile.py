@@ -28,9 +28,9 @@ f32, u8, i32, f64 = types.float32[::1], types.uint8[::1], types.int32[::1], type
 i64, u64 = types.int64, types.uint64
 SIGNATURES = {
     "_chunk_sumsq": (f32, i64, i64, f64),
-    "_sign_scale_pad": (f32, f32, i64, i64, i64, u64, types.float32),
     "_sign_scale_unpad": (f32, f32, i64, i64, i64, u64, types.float32),
     "_fwht_shared": (f32, i64, i64),
+    "_sign_fwht_shared": (f32, f32, i64, i64, i64, u64, types.float32),
     "_fwht_stage": (f32, i64, i64, i64),
     "_fwht_stage4": (f32, i64, i64, i64),
     "_quantize": (f32, f32, f32, f32, u8, f32, i64, u64, u8, i32),

@@ -2,7 +2,9 @@
 NUMBA_ENABLE_CUDASIM must be set before numba.cuda is imported; and every kernel compiled to
 PTX by NVIDIA's compiler (pyproject's cuda-compile extra, no GPU needed) and assembled by
 ptxas, to check what the simulator cannot: typing, local memory, register spills. On a machine
-with a GPU, test_cuda_device runs the same comparison on the real device."""
+with a GPU, test_cuda_kernels_agree_with_cpu_on_device runs the same comparison on the real
+device, with full-size tensors too, and test_cuda_device_torch_agrees_with_cpu the codec's
+torch CUDA path."""
 import os
 import re
 import shutil
@@ -19,7 +21,7 @@ ROOT = HERE.parent.parent
 PTX_CCS = ("80", "90")        # compute capabilities the kernels are compiled for: sm_80, sm_90
 MISSING_LIBS = 3              # ptx_compile.py's exit status when the compiler is not installed
 HOT_KERNELS = (
-    "_sign_scale_pad", "_sign_scale_unpad",            # RHT: random signs and scaling
+    "_sign_fwht_shared", "_sign_scale_unpad",          # RHT: random signs and scaling
     "_fwht_shared", "_fwht_stage", "_fwht_stage4",     # RHT: the Hadamard butterflies
     "_quantize",                                       # quantize and pack 2 indices a byte
     "_lookup",                                         # indices to table values
@@ -37,7 +39,7 @@ def _env(**extra):
 
 def test_cuda_kernels_agree_with_cpu_under_simulator():
     env = _env(NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run([sys.executable, str(HERE / "cudasim_agreement.py")], env=env,
+    proc = subprocess.run([sys.executable, str(HERE / "cuda_agreement.py")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "agrees" in proc.stdout
@@ -141,6 +143,16 @@ def _has_gpu():
         return torch.cuda.is_available()
     except Exception:
         return False
+
+
+@pytest.mark.skipif(not _has_gpu(), reason="no CUDA GPU on this machine")
+def test_cuda_kernels_agree_with_cpu_on_device():
+    """The simulator's comparison on the real GPU, plus full-size tensors (several 2^20
+    partitions, a padded tail) that the simulator cannot run."""
+    proc = subprocess.run([sys.executable, str(HERE / "cuda_agreement.py"), "--device"],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CUDA device" in proc.stdout and "agrees" in proc.stdout
 
 
 @pytest.mark.skipif(not _has_gpu(), reason="no CUDA GPU on this machine")

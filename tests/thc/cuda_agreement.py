@@ -1,12 +1,18 @@
-"""Run by test_cuda_sim.py in a subprocess: NUMBA_ENABLE_CUDASIM must be set before
-numba.cuda is first imported. Compares the CUDA kernels (simulated) with the CPU kernels
-and exits non-zero with a message on any disagreement."""
+"""Run by test_cuda_sim.py in a subprocess. Compares the CUDA kernels with the CPU kernels
+and exits non-zero with a message on any disagreement.
+
+    python tests/thc/cuda_agreement.py            # under Numba's simulator (no GPU needed)
+    python tests/thc/cuda_agreement.py --device   # on the real GPU, with full-size tensors too
+
+NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported, hence a subprocess."""
 import os
 import sys
 import warnings
 
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-warnings.simplefilter("ignore")          # uint64 wrap-around warnings in simulated hashes
+ON_DEVICE = "--device" in sys.argv[1:]
+if not ON_DEVICE:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    warnings.simplefilter("ignore")      # uint64 wrap-around warnings in simulated hashes
 
 import numpy as np                        # noqa: E402
 from numba import cuda                    # noqa: E402
@@ -67,7 +73,7 @@ def main():
     check(np.array_equal(packed_dev.copy_to_host(), packed), "quantize with error_out")
     check(np.allclose(err_dev.copy_to_host(), err, atol=1e-6), "quantize error_out")
     # global (radix-4 and radix-2) FWHT stages, with a tiny shared-memory block
-    cuda_kernels.SHARED_FWHT = 8
+    shared_fwht, cuda_kernels.SHARED_FWHT = cuda_kernels.SHARED_FWHT, 8
     codec = thc.THCCodec(partition_size=128, seed=3)
     x = rs.standard_normal(300).astype(np.float32)     # 2 x 128 (log 7) + 64 (log 6)
     rot = codec.rotate(cuda.to_device(x)).copy_to_host()
@@ -81,7 +87,45 @@ def main():
         check(False, "NaN not reported by the CUDA quantizer")
     except thc.NonFiniteError:
         pass
-    print("CUDA simulator agrees with CPU kernels")
+    if ON_DEVICE:
+        cuda_kernels.SHARED_FWHT = shared_fwht
+        full_size(rs)
+    where = f"CUDA device {cuda.get_current_device().name}" if ON_DEVICE else "CUDA simulator"
+    print(f"{where} agrees with CPU kernels")
+
+
+def poisoned(n, dtype=np.float32):
+    """A device array full of NaN (0xff bytes for integers): an element a kernel fails to
+    write shows up in the comparison instead of passing as a stale zero."""
+    host = np.full(n, np.nan, np.float32) if dtype == np.float32 else np.full(n, 0xff, dtype)
+    return cuda.to_device(host)
+
+
+def full_size(rs):
+    """The real device only (the simulator would take hours): default and small partitions,
+    tensors of several partitions with a padded tail, so the shared-memory and global FWHT
+    stages and the multi-block norms run at the sizes training uses. Fresh random inputs."""
+    for partition, d in ((1 << 20, 3 * (1 << 20) + 12_345), (1 << 12, 1_000_003),
+                         (1 << 16, 1 << 22)):
+        codec = thc.THCCodec(partition_size=partition, seed=int(rs.integers(1 << 30)))
+        x = (rs.standard_normal(d) * rs.uniform(0.1, 10)).astype(np.float32)
+        padded = codec.padded_length(d)
+        norms = codec.partition_norms(x)
+        check(np.allclose(codec.partition_norms(cuda.to_device(x)), norms, rtol=1e-5),
+              f"norms d={d} p={partition}")
+        rot = codec.rotate(x)
+        got = codec.rotate(cuda.to_device(x), out=poisoned(padded)).copy_to_host()
+        check(np.allclose(got, rot, atol=1e-5 * float(np.abs(rot).max())),
+              f"rotate d={d} p={partition}")
+        packed = codec.quantize(rot, norms, worker=1, round=5, tensor=2)
+        packed_dev = codec.quantize(cuda.to_device(rot), norms, worker=1, round=5, tensor=2)
+        check(np.array_equal(packed_dev.copy_to_host(), packed),
+              f"quantize indices d={d} p={partition}")
+        sums = codec.lookup(packed).astype(np.int32) * 4
+        want = codec.decode(sums, 4, norms, d)
+        got = codec.decode(cuda.to_device(sums), 4, norms, d, out=poisoned(d)).copy_to_host()
+        check(np.allclose(got, want, atol=1e-5 * float(np.abs(want).max())),
+              f"decode d={d} p={partition}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one command (the default test run skips them where
+# there is none):
+#   * the CUDA tests: the kernels against the CPU kernels on the device, full-size tensors
+#     included (tests/thc/test_cuda_sim.py), and THC allreduce and the DDP hook on CUDA
+#     tensors through the reference aggregator (tests/host/test_cuda_allreduce.py);
+#   * the codec benchmark with its CUDA table (host.experiments.codec_bench speed).
+# Runs with the Python that has torch with CUDA (PYTHON, default python3), from the
+# repository root; logs and JSON go to OUT_DIR.
+#   tests/run_gpu_checks.sh [OUT_DIR]        (default build/gpu)
+set -u
+out=${1:-build/gpu}
+py=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+{
+  date -u
+  uptime
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem \
+             --format=csv,noheader
+  "$py" -c 'import sys, numpy, numba, torch; print("python", sys.version.split()[0],
+            "numpy", numpy.__version__, "numba", numba.__version__, "torch", torch.__version__,
+            "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
+} 2>&1 | tee "$out/machine.txt"
+
+# the worker's native data path (without it the transport's Python path runs)
+make -s native || echo "native data path not built: the Python path runs"
+
+status=0
+timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider \
+    tests/thc/test_cuda_sim.py tests/host/test_cuda_allreduce.py 2>&1 | tee "$out/pytest.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+timeout 240 "$py" -m host.experiments.codec_bench speed --log2d 24 --reps 5 \
+    --json "$out/codec_speed.json" 2>&1 | tee "$out/codec_speed.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+exit $status
