@@ -4,7 +4,9 @@
 #   * the CUDA tests: the kernels against the CPU kernels on the device, full-size tensors
 #     included (tests/thc/test_cuda_sim.py), and THC allreduce and the DDP hook on CUDA
 #     tensors through the reference aggregator (tests/host/test_cuda_allreduce.py);
-#   * the codec benchmark with its CUDA table (host.experiments.codec_bench speed).
+#   * the codec benchmark with its CUDA table (host.experiments.codec_bench speed);
+#   * one worker's CPU per 16 MB THC call with the codec on the GPU, and on the CPU for
+#     comparison (host.experiments.bench_worker_cpu --device cuda|cpu).
 # Runs with the Python that has torch with CUDA (PYTHON, default python3), from the
 # repository root; logs and JSON go to OUT_DIR.
 #   tests/run_gpu_checks.sh [OUT_DIR]        (default build/gpu)
@@ -34,4 +36,9 @@ timeout 300 "$py" -m pytest -q -rs -p no:cacheprovider \
 timeout 240 "$py" -m host.experiments.codec_bench speed --log2d 24 --reps 5 \
     --json "$out/codec_speed.json" 2>&1 | tee "$out/codec_speed.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+for device in cuda cpu; do
+  timeout 240 "$py" -m host.experiments.bench_worker_cpu --calls 10 --device $device \
+      --json "$out/worker_cpu_$device.json" 2>&1 | tee "$out/worker_cpu_$device.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 exit $status

@@ -2,7 +2,7 @@
 
     python -m host.experiments.bench_worker_cpu [--mb 16] [--calls 10]
                                     [--values-per-packet 8192] [--pool 64]
-                                    [--moderation-us 0,250] [--json F]
+                                    [--moderation-us 0,250] [--device cpu|cuda] [--json F]
 
 One worker (a gloo process group of one) calls `THCAllreduce` with an `AggregatorExchange`
 on a float32 tensor of --mb MB, through the reference aggregator as a UDP service in a
@@ -22,6 +22,11 @@ Python path) it reports, per call, with the receive syscalls per call beside it:
   exchanges, buffers, Python), with the CPU of threads Python did not start (the
   OpenMP pools of Numba and torch, gloo's) shown apart: on a loaded machine their
   spin-waiting is a large part of it, and it varies from run to run.
+
+--device cuda puts the tensor on the GPU, so the codec runs there (thc/cuda_kernels.py) and
+the worker's CPU is what is left: launching the kernels, the host copies of the indices and
+sums, the datagram path and the glue. The codec floor is then the CPU time of the same GPU
+work (launches, and the waits for the norms and the non-finite count).
 
 --json writes every number; the table is printed.
 """
@@ -128,7 +133,7 @@ def codec_floor(codec, x: torch.Tensor, ranges, repeats: int) -> dict:
     out = torch.empty_like(x)
     # The error buffers live across calls, as a worker's error feedback does: a fresh
     # zeroed buffer per pass would add its page faults (about a third more) to the floor.
-    errors = [torch.zeros(codec.padded_length(hi - lo), dtype=torch.float32)
+    errors = [torch.zeros(codec.padded_length(hi - lo), dtype=torch.float32, device=x.device)
               for lo, hi in ranges]
     for rep in range(repeats + 1):          # the first pass warms the buffers, untimed
         if rep == 1:
@@ -144,6 +149,8 @@ def codec_floor(codec, x: torch.Tensor, ranges, repeats: int) -> dict:
             sums = codec.lookup(packed)
             t3 = time.process_time()
             codec.decode(sums, 1, norms, hi - lo, out=out[lo:hi])
+            if x.is_cuda:
+                torch.cuda.synchronize()        # the GPU's work is done before the clock
             t4 = time.process_time()
             parts["norms_rht"] += t1 - t0
             parts["quantize_pack"] += t2 - t1
@@ -194,9 +201,10 @@ def measure_path(use_native: bool, codec, x, *, calls: int, pool: int, vpp: int,
 
 
 def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
-        moderations_us=(0.0,)) -> dict:
+        moderations_us=(0.0,), device: str = "cpu") -> dict:
     d = int(mb * (1 << 20)) // 4
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(d).astype(np.float32))
+    x = x.to(device)
     codec = thc.THCCodec(bits=4, granularity=30, p=1 / 32, seed=0)
     own_group = not dist.is_initialized()
     if own_group:
@@ -222,7 +230,9 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
     results["config"] = {"mb": mb, "values": d, "calls": calls, "values_per_packet": vpp,
                          "pool": pool, "native_available": native.available(),
                          "native_reason": native.reason(), "cpus": os.cpu_count(),
-                         "machine": platform.machine(), "torch_threads": torch.get_num_threads()}
+                         "machine": platform.machine(), "torch_threads": torch.get_num_threads(),
+                         "device": (torch.cuda.get_device_name(x.device) if x.is_cuda
+                                    else "cpu")}
     return results
 
 
@@ -263,14 +273,20 @@ def main(argv=None) -> int:
     ap.add_argument("--moderation-us", default=f"0,{RESULT_MODERATION_S * 1e6:g}",
                     help="the native loop's RESULT moderation to measure, comma-separated "
                          "microseconds (one native run each)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where the tensor lives and the codec runs")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA GPU on this machine")
     moderations = sorted({float(v) for v in args.moderation_us.split(",") if v.strip()})
     if args.mb <= 0 or args.calls < 1:
         ap.error("--mb must be positive and --calls at least 1")
-    results = run(args.mb, args.calls, args.values_per_packet, args.pool, moderations)
-    print(f"one worker, {args.mb:g} MB per call, {args.calls} calls, reference aggregator "
-          "(UDP service, child process) on loopback; CPU ms per call")
+    results = run(args.mb, args.calls, args.values_per_packet, args.pool, moderations,
+                  args.device)
+    print(f"one worker, {args.mb:g} MB per call on {results['config']['device']}, "
+          f"{args.calls} calls, reference aggregator (UDP service, child process) on "
+          "loopback; CPU ms per call")
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
