@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -230,6 +230,19 @@ class Strategy:
             raise ValueError(f"primitive {self.primitive!r} unknown; use one of {PRIMITIVES}")
         if not self.subs:
             raise ValueError("a strategy needs at least one sub-collective")
+
+
+def on_gpus(strategy: Strategy, net: Network) -> Strategy:
+    """The strategy as the executor runs it, over ranks only: each route without its NIC
+    relays (a hop GPU -> NIC -> ... -> NIC -> GPU is one send between the two GPUs; the NICs
+    are the hardware it crosses). The GPUs must be nodes 0..G-1 (make_cluster's order)."""
+    gpus = net.gpus()
+    if gpus != list(range(len(gpus))):
+        raise ValueError("on_gpus: the network's GPUs must be its first nodes (make_cluster)")
+    subs = [replace(sub, routes={src: [v for v in path if net.kinds[v] != "nic"]
+                                 for src, path in sub.routes.items()})
+            for sub in strategy.subs]
+    return Strategy(strategy.primitive, subs)
 
 
 @dataclass

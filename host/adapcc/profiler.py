@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .costmodel import Network
+from .costmodel import Network, make_cluster
 
 DEFAULT_SIZES = (16 * 1024, 128 * 1024, 512 * 1024)
 DEFAULT_COUNTS = (1, 4)
@@ -103,6 +103,45 @@ def profile_links(group=None, sizes=DEFAULT_SIZES, counts=DEFAULT_COUNTS, repeat
         for dst, (a, b) in per_dst.items():
             alpha[src, dst], beta[src, dst] = a, b
     return Network([f"rank{r}" for r in range(world)], ["gpu"] * world, alpha, beta)
+
+
+def shared_nic_network(net: Network, servers: Sequence[int]) -> Network:
+    """A pairwise profile (profile_links) read as servers whose GPUs share one NIC each: the
+    paper's logical graph (make_cluster(nic_nodes=True)), so that the synthesizer sees that
+    flows from two GPUs of one server cross the same NIC, which a pairwise profile cannot
+    show (each pair was timed alone).
+
+    servers[r] is the server of rank r, numbered 0, 1, ... in rank order with the ranks of a
+    server next to each other (make_cluster numbers GPUs server by server, so node r stays
+    rank r; rank-ordered chains and trees then cross each NIC at most once each way, which
+    the cost model's routes need). A server's NIC rate is the fastest pair it took part in
+    (a pair runs at the slower of its two NICs, so only the fastest server's NIC is
+    underestimated, as the second fastest); inside a server, the median of its pairs; the
+    wire's latency, the median over pairs between servers."""
+    servers = np.asarray([int(v) for v in servers])
+    n = len(servers)
+    if net.n != n or net.gpus() != list(range(n)):
+        raise ValueError(f"servers: {n} entries for a profile of {net.n} nodes; give one "
+                         "server per rank of a GPU-only profile (profile_links)")
+    if servers[0] != 0 or np.any(~np.isin(np.diff(servers), (0, 1))):
+        raise ValueError(f"servers {servers.tolist()}: number the servers 0, 1, ... in rank "
+                         "order, the ranks of one server next to each other (e.g. 0,0,1,1)")
+    n_servers = int(servers[-1]) + 1
+    if n_servers < 2:
+        raise ValueError("servers: every rank is on one server; there is no NIC to model")
+    gbps = 8.0 / (net.beta * 1e9)
+    same = np.equal.outer(servers, servers) & ~np.eye(n, dtype=bool)
+    cross = ~np.equal.outer(servers, servers)
+    nic = [float(max(gbps[servers == s][:, servers != s].max(),
+                     gbps[servers != s][:, servers == s].max())) for s in range(n_servers)]
+    if same.any():
+        inside, inside_alpha = float(np.median(gbps[same])), float(np.median(net.alpha[same]))
+    else:
+        # one GPU per server: the GPU-NIC hop is never what limits (PCIe, or the host)
+        inside, inside_alpha = 100.0 * max(nic), 0.0
+    counts = [int((servers == s).sum()) for s in range(n_servers)]
+    return make_cluster(counts, nic, nvlink_gbps=inside, nvlink_alpha=inside_alpha,
+                        net_alpha=float(np.median(net.alpha[cross])), nic_nodes=True)
 
 
 class PeriodicProfiler:

@@ -84,3 +84,39 @@ def test_gloo_end_to_end(gloo_results):
     prof = gloo_results[0]
     assert len(prof["gbps"]) == 12 and all(g > 0 and np.isfinite(g) for g in prof["gbps"])
     assert all(a >= 0 for a in prof["alpha_us"])
+
+
+def test_shared_nic_network_reads_a_pairwise_profile_as_servers():
+    """Ranks 0-1 on server 0 (NIC 0.1 Gbit/s), 2-3 on server 1 (NIC 0.04): every pair across
+    runs at the slower NIC, pairs inside at 10 Gbit/s. Read as servers, rank r stays node r,
+    each server gets four NIC relays, and a flow from rank 3 to rank 0 crosses both NICs."""
+    import numpy as np
+
+    from host.adapcc.costmodel import Network, on_gpus
+    from host.adapcc.profiler import shared_nic_network
+    from host.adapcc.synthesizer import Synthesizer
+    servers = [0, 0, 1, 1]
+    gbps = np.array([[0, 10, .04, .04], [10, 0, .04, .04], [.04, .04, 0, 10],
+                     [.04, .04, 10, 0]], dtype=float)
+    with np.errstate(divide="ignore"):
+        beta = np.where(gbps > 0, 8 / (gbps * 1e9), np.inf)
+    alpha = np.where(np.isfinite(beta), 100e-6, np.inf)
+    profile = Network([f"rank{r}" for r in range(4)], ["gpu"] * 4, alpha, beta)
+    net = shared_nic_network(profile, servers)
+    assert net.kinds[:4] == ["gpu"] * 4 and net.kinds[4:] == ["nic"] * 8
+    path = net.relay_path(3, 0)
+    assert [net.kinds[v] for v in path] == ["gpu"] + ["nic"] * 4 + ["gpu"]
+    rates = sorted({round(8 / float(net.beta[e]) / 1e9, 6) for e in zip(path, path[1:])})
+    assert rates[0] == 0.04                      # the slower NIC is what limits the flow
+    # the pick runs over ranks only once its relays are left out
+    synth = Synthesizer("allreduce", 1 << 20, m=1)
+    synth.update_profile(net)
+    ranks_only = on_gpus(synth.current.strategy, net)
+    for sub in ranks_only.subs:
+        assert all(v < 4 for p in sub.routes.values() for v in p)
+    with pytest.raises(ValueError, match="next to each other"):
+        shared_nic_network(profile, [0, 1, 0, 1])
+    with pytest.raises(ValueError, match="one server"):
+        shared_nic_network(profile, [0, 0, 0, 0])
+    with pytest.raises(ValueError, match="4 nodes"):
+        shared_nic_network(profile, [0, 1])

@@ -1,7 +1,7 @@
 """AdapCC on shaped links: profiler + synthesizer + executor against gloo, measured (root).
 
     python -m host.experiments.adapcc.links_study [--json FILE] [--rates 200,200,100,50]
-        [--delays 0,1,2,4] [--mb 4] [--reps 3] [--change 0:30] [--m 1]
+        [--delays 0,1,2,4] [--mb 4] [--reps 3] [--change 0:30] [--m 1] [--servers 0,0,1,1]
 
 Four worker processes, each in its own network namespace of the lab (host.netlab.topology,
 bridge layout) on links of different rates (and latencies, where the kernel has netem), form
@@ -26,6 +26,13 @@ chunk step of the executor costs milliseconds of scheduling that the profiled al
 show, and with M = 2 the synthesizer's picks (twice the chunk steps) measured slower than the
 fixed strategies.  Without netem (some kernels) the links are shaped by tbf, rate only: the
 delays are then not applied, and the JSON says so (``netem``, ``delays_ms``).
+
+``--servers`` emulates servers with several GPUs: servers[r] is rank r's server, each server
+one namespace with one shaped link (its NIC, --rates and --delays per server), so the ranks
+of a server talk over the namespace's loopback and share the NIC for everything else.  The
+synthesizer then plans on the profile read as such servers (``shared_nic_network``: NIC
+nodes, each server's cross-server flows sharing its NIC) and the executor runs the pick
+with the NIC relays left out of its routes (``on_gpus``).
 """
 from __future__ import annotations
 
@@ -47,9 +54,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from host.adapcc import strategies
-from host.adapcc.costmodel import evaluate
+from host.adapcc.costmodel import evaluate, on_gpus
 from host.adapcc.executor import TreeExecutor
-from host.adapcc.profiler import profile_links
+from host.adapcc.profiler import profile_links, shared_nic_network
 from host.adapcc.synthesizer import Synthesizer
 from host.experiments.common import load_digits_split, make_model
 
@@ -101,23 +108,33 @@ def _modelled_ms(net, nbytes: int, own: dict) -> dict:
     return {name: 1e3 * evaluate(net, strategy).time for name, strategy in built.items()}
 
 
-def _synthesize(synth, world: int, nbytes: int, profile_kwargs) -> tuple[dict, dict]:
+def _grouped(servers) -> bool:
+    """True when some server holds several ranks (a shared NIC to model)."""
+    return len(set(servers)) < len(servers)
+
+
+def _synthesize(synth, world: int, nbytes: int, profile_kwargs,
+                servers=None, pairwise: bool = False) -> tuple[dict, dict]:
     """Collective: profile on every rank, synthesize at rank 0, broadcast its pick."""
     started = time.perf_counter()
     net = profile_links(**profile_kwargs)
     info = {"profile_s": time.perf_counter() - started}
     payload = [None]
     if dist.get_rank() == 0:
-        started = time.perf_counter()
-        synth.update_profile(net)
-        info["synthesis_s"] = time.perf_counter() - started
         off = [(i, j) for i in range(world) for j in range(world) if i != j]
         info["profiled_mbit"] = {f"{i}->{j}": 8 / float(net.beta[i, j]) / 1e6 for i, j in off}
         info["profiled_alpha_us"] = {f"{i}->{j}": float(net.alpha[i, j]) * 1e6 for i, j in off}
-        picks = {SYNTH: synth.current.strategy}
+        info["model"] = "pairwise profile"
+        if servers is not None and _grouped(servers) and not pairwise:
+            net = shared_nic_network(net, servers)
+            info["model"] = "shared NIC per server"
+        started = time.perf_counter()
+        synth.update_profile(net)
+        info["synthesis_s"] = time.perf_counter() - started
         info["method"] = synth.current.method
-        info["modelled_ms"] = _modelled_ms(net, nbytes, picks)
-        info["strategy"] = _describe(synth.current.strategy)
+        info["modelled_ms"] = _modelled_ms(net, nbytes, {SYNTH: synth.current.strategy})
+        picks = {SYNTH: on_gpus(synth.current.strategy, net)}
+        info["strategy"] = _describe(picks[SYNTH])
         payload = [(picks, info)]
     dist.broadcast_object_list(payload, src=0)
     return payload[0]
@@ -223,7 +240,8 @@ def worker(args) -> None:
         if phase and args.rank == 0:
             _wait_for_parent(Path(args.sync), phase)
         dist.barrier()
-        picks, info = _synthesize(synth, args.world, numel * 4, profile_kwargs)
+        picks, info = _synthesize(synth, args.world, numel * 4, profile_kwargs,
+                                  args.servers, args.pairwise_model)
         phases.append(dict(info, **_time_phase(executors, picks, args.world, numel,
                                                args.reps)))
         if args.train_steps:
@@ -280,13 +298,15 @@ def _spawn(tb, args, sync: Path, out: Path) -> list[subprocess.Popen]:
     for rank in range(args.world):
         argv = [sys.executable, "-m", "host.experiments.adapcc.links_study", "--worker",
                 "--rank", str(rank), "--world", str(args.world),
+                "--servers", ",".join(map(str, args.servers)),
+                *(["--pairwise-model"] if args.pairwise_model else []),
                 "--master", f"{tb.host_ip(0)}:{GLOO_PORT}", "--sync", str(sync),
                 "--out", str(out), "--mb", str(args.mb), "--reps", str(args.reps),
                 "--m", str(args.m), "--milp-seconds", str(args.milp_seconds),
                 "--profile-repeats", str(args.profile_repeats), "--timeout", str(args.timeout),
                 "--train-steps", str(args.train_steps), "--hidden", str(args.hidden),
                 "--profile-kb", ",".join(f"{kb:g}" for kb in args.profile_kb)]
-        procs.append(tb.popen(rank, argv, env=env, stdout=subprocess.PIPE,
+        procs.append(tb.popen(args.servers[rank], argv, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -303,16 +323,35 @@ def _drive(tb, procs, sync: Path, change: tuple[int, float], deadline: float) ->
         time.sleep(0.05)
 
 
+def _check_servers(servers, rates, delays, change) -> list[int]:
+    """servers (None: one rank per host) against one rate and delay per server; refused at
+    set-up with what to change."""
+    servers = list(range(len(rates))) if servers is None else [int(v) for v in servers]
+    if servers[0] != 0 or any(b - a not in (0, 1) for a, b in zip(servers, servers[1:])):
+        raise ValueError(f"servers {servers}: number the servers 0, 1, ... in rank order, the "
+                         "ranks of one server next to each other (e.g. 0,0,1,1)")
+    if servers[-1] + 1 != len(rates) or len(delays) != len(rates):
+        raise ValueError(f"{servers[-1] + 1} servers need one rate and one delay each; got "
+                         f"{len(rates)} rates and {len(delays)} delays")
+    if not 0 <= change[0] < len(rates):
+        raise ValueError(f"change: server {change[0]} does not exist (0..{len(rates) - 1})")
+    return servers
+
+
 def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, reps: int = 3,
               change=(0, 30), m: int = 1, milp_seconds: float = 10.0, profile_repeats: int = 1,
               timeout: float = 600.0, profile_kb=PROFILE_KB, train_steps: int = 0,
-              hidden: int = 256) -> dict:
-    """Both phases on one topology; returns {"phases": [summary, summary], ...}."""
+              hidden: int = 256, servers=None, pairwise_model: bool = False) -> dict:
+    """Both phases on one topology; returns {"phases": [summary, summary], ...}. rates,
+    delays and change are per server (per rank without servers); pairwise_model: plan on the
+    pairwise profile even where servers share a NIC (the model without NIC nodes)."""
     from host.netlab.links import netem_available
     from host.netlab.topology import Topology
+    servers = _check_servers(servers, rates, delays, change)
     netem = netem_available()
     applied = list(delays) if netem else [0.0] * len(rates)   # tbf cannot delay
-    args = argparse.Namespace(world=len(rates), mb=mb, reps=reps, m=m,
+    args = argparse.Namespace(world=len(servers), servers=servers,
+                              pairwise_model=pairwise_model, mb=mb, reps=reps, m=m,
                               milp_seconds=milp_seconds, profile_repeats=profile_repeats,
                               timeout=int(timeout), profile_kb=list(profile_kb),
                               train_steps=train_steps, hidden=hidden)
@@ -336,7 +375,8 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
         qdisc = tb.qdisc
     rates_after = list(rates)
     rates_after[change[0]] = change[1]
-    return {"rates_mbit": [list(rates), rates_after], "delays_ms": applied,
+    return {"rates_mbit": [list(rates), rates_after], "servers": servers,
+            "pairwise_model": pairwise_model, "delays_ms": applied,
             "delays_requested_ms": list(delays), "netem": netem, "qdisc": qdisc,
             "tensor_mb": mb, "reps": reps, "m": m, "change": list(change),
             "profile_kb": list(profile_kb), "train_steps": train_steps, "hidden": hidden,
@@ -348,7 +388,9 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
 def print_table(res: dict) -> None:
     for p, phase in enumerate(res["phases"]):
         rates = "/".join(f"{r:g}" for r in res["rates_mbit"][p])
-        print(f"\nphase {p}: links {rates} Mbit/s, delays "
+        links = "links" if not _grouped(res["servers"]) else \
+            f"servers {','.join(map(str, res['servers']))} (rank -> server), NICs"
+        print(f"\nphase {p}: {links} {rates} Mbit/s, delays "
               f"{'/'.join(f'{d:g}' for d in res['delays_ms'])} ms, {res['tensor_mb']:g} MB "
               f"float32, median of {res['reps']}; profile {phase['profile_s']:.1f} s, "
               f"synthesis {phase['synthesis_s']:.1f} s")
@@ -356,7 +398,7 @@ def print_table(res: dict) -> None:
         for name, row in phase["rows"].items():
             model = f"{row['modelled_ms']:.0f}" if row["modelled_ms"] is not None else "-"
             print(f"{name:<26}{row['ms']:>8.0f}{row['x_gloo']:>8.2f}{model:>10}  {row['exact']}")
-        print(f"synthesized by {phase['method']}: trees {phase['strategy']}; its time / the "
+        print(f"synthesized by {phase['method']} on the {phase['model']}: trees {phase['strategy']}; its time / the "
               f"best fixed ({phase['best_fixed']}): {phase['synthesized_over_best_fixed']:.2f}")
         if "train" in phase:
             t = phase["train"]
@@ -380,7 +422,13 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--rates", type=_floats, default=[200, 200, 100, 50],
-                    help="Mbit/s per host link (one worker per host)")
+                    help="Mbit/s per host link (per server with --servers)")
+    ap.add_argument("--servers", type=lambda t: [int(v) for v in t.split(",")], default=None,
+                    help="server of each rank, e.g. 0,0,1,1: the ranks of a server share its "
+                         "namespace and its one link (default: one rank per host)")
+    ap.add_argument("--pairwise-model", action="store_true",
+                    help="with --servers: plan on the pairwise profile, as if no NIC were "
+                         "shared (for comparison)")
     ap.add_argument("--delays", type=_floats, default=[0, 1, 2, 4],
                     help="ms per host link (needs netem; ignored where the kernel lacks it)")
     ap.add_argument("--mb", type=float, default=4, help="tensor size, MiB of float32")
@@ -405,9 +453,15 @@ def main():
     if args.worker:
         return worker(args)
     host, mbit = args.change.split(":")
-    res = run_study(args.rates, args.delays, args.mb, args.reps, (int(host), float(mbit)),
-                    args.m, args.milp_seconds, args.profile_repeats, args.timeout,
-                    args.profile_kb, args.train_steps, args.hidden)
+    if args.servers is not None and args.delays == ap.get_default("delays"):
+        args.delays = [0.0] * len(args.rates)
+    try:
+        res = run_study(args.rates, args.delays, args.mb, args.reps, (int(host), float(mbit)),
+                        args.m, args.milp_seconds, args.profile_repeats, args.timeout,
+                        args.profile_kb, args.train_steps, args.hidden, args.servers,
+                        args.pairwise_model)
+    except ValueError as exc:
+        ap.error(str(exc))
     print_table(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
