@@ -376,7 +376,8 @@ class _AggregatorStream:
                     ex.last_progress = now - transport.timer.rto
                 grace["end"] = now + wait_rto * transport.timer.rto
             return now >= grace["end"]
-        stream.wait_until(enough)
+        # enough() needs `need` chunks done: until then the native loop waits by itself
+        stream.wait_until(enough, at_least=need)
         with stream.lock:
             ex.give_up(np.flatnonzero(~ex.done))
             return ~(ex.done & (ex.counts == members))

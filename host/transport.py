@@ -414,14 +414,18 @@ class AggregatorTransport:
     # ----------------------------------------------------------------- the exchange loop
 
     def _drive(self, stream: "TensorStream", until, block: bool = True,
-               target: int | None = None) -> None:
+               target: int | None = None, at_least: int | None = None) -> None:
         """Send what the window allows, retransmit what is late, apply what arrived, until
         until() holds (block=False: one non-blocking round). target: until() means
-        "chunks [0, target) are done", which the native loop checks itself (whole in C)."""
+        "chunks [0, target) are done", which the native loop checks itself (whole in C).
+        at_least: until() cannot hold before that many chunks are done, so the native loop
+        runs until then without Python between arrivals (a bounded-loss rule)."""
         ex = stream.ex
         if block and target is not None and self._native_for(stream):
             self._run_native(stream, block=True, target=target)
             return
+        if block and self._native_hint(stream, at_least):
+            self._run_native(stream, block=True, target=ex.available, at_least=at_least)
         while True:
             self._round(stream)
             if not block or until():
@@ -439,14 +443,23 @@ class AggregatorTransport:
         """Whether this stream's rounds run in C now (batched, no GSO: host.native)."""
         return stream.native is not None and self.io.batched and not self.io.gso
 
-    def _run_native(self, stream: "TensorStream", *, block: bool, target: int) -> None:
-        """Rounds in C until chunks [0, target) are done (block=False: one round); what
-        the C loop hands back is finished here, as the Python path does it."""
-        while not self._native_outcome(stream, self._native_call(stream, block, target),
-                                       target):
+    def _native_hint(self, stream: "TensorStream", at_least: int | None) -> bool:
+        """Whether a wait for at_least chunks can run in C first: every value submitted (so
+        the C loop cannot stop for input) and fewer than at_least chunks done."""
+        ex = stream.ex
+        return (at_least is not None and self._native_for(stream)
+                and ex.available == ex.n_chunks and ex._n_done < at_least)
+
+    def _run_native(self, stream: "TensorStream", *, block: bool, target: int,
+                    at_least: int | None = None) -> None:
+        """Rounds in C until chunks [0, target) are done, or at_least chunks (block=False:
+        one round); what the C loop hands back is finished here, as the Python path does."""
+        while not self._native_outcome(
+                stream, self._native_call(stream, block, target, at_least), target, at_least):
             pass
 
-    def _native_outcome(self, stream: "TensorStream", status: int, target: int) -> bool:
+    def _native_outcome(self, stream: "TensorStream", status: int, target: int,
+                        at_least: int | None = None) -> bool:
         """What a dp_run status asks of Python: True when the call's goal was reached (or
         it was woken), False when a STRAGGLER notice was applied or the stream is slow but
         within its timeout (call again); the errors of the Python path otherwise."""
@@ -462,7 +475,8 @@ class AggregatorTransport:
         if status == native_datapath.WAITING_INPUT:
             raise self._never_submitted(ex)
         if status == native_datapath.TIMEOUT:
-            self._check_timeout(stream, lambda: ex.done_prefix() >= target)
+            self._check_timeout(stream, lambda: ex.done_prefix() >= target or (
+                at_least is not None and ex._n_done >= at_least))
             return False
         err = stream.native.state.err
         exc = OSError(err, os.strerror(err))     # ECONNREFUSED: ConnectionRefusedError
@@ -470,12 +484,13 @@ class AggregatorTransport:
             raise self._unreachable(exc) from exc
         raise exc
 
-    def _native_call(self, stream: "TensorStream", block: bool, target: int) -> int:
+    def _native_call(self, stream: "TensorStream", block: bool, target: int,
+                     at_least: int | None = None) -> int:
         """One dp_run call: the scalars of the stream, the timer and the socket go in, and
         come back with this call's counters."""
         self._native_enter(stream)
         try:
-            return stream.native.run(block, target)
+            return stream.native.run(block, target, at_least)
         finally:
             self._native_leave(stream)
 
@@ -775,6 +790,7 @@ class TensorStream:
         self._progress = threading.Condition(self.lock)
         self._error: BaseException | None = None
         self._wanted: int | None = None      # chunks a background-mode waiter waits for
+        self._at_least: int | None = None    # and, for its own predicate, its hint (_wait)
         self._in_c = False                   # the I/O thread is inside a native call
         self._thread = None
         if background:
@@ -865,11 +881,13 @@ class TensorStream:
         chunks = -(-num_values // self.transport.vpp)
         self._drive(lambda: self.ex.done_prefix() >= chunks, target=chunks)
 
-    def wait_until(self, until) -> None:
+    def wait_until(self, until, at_least: int | None = None) -> None:
         """Block until until() holds (it runs with the stream's state locked, so it may
-        read and adjust `ex`): a completion rule of the caller's, e.g. bounded loss."""
+        read and adjust `ex`): a completion rule of the caller's, e.g. bounded loss.
+        at_least: a number of done chunks until() needs before it can hold; the native
+        loop waits for them in C, without Python between arrivals."""
         self._check_open()
-        self._drive(until)
+        self._drive(until, at_least=at_least)
 
     def counts(self, lo: int, hi: int):
         """Contributor count of values [lo, hi): an int when every chunk agrees, else one
@@ -898,25 +916,30 @@ class TensorStream:
         t.slot_rounds += np.bincount(self.slots, minlength=t.pool_size)
         return AllreduceResult(ex.sums, ex.counts, ex.contributors, t.vpp)
 
-    def _drive(self, until, block: bool = True, target: int | None = None) -> None:
+    def _drive(self, until, block: bool = True, target: int | None = None,
+               at_least: int | None = None) -> None:
         try:
             if self._thread is None:
-                self.transport._drive(self, until, block=block, target=target)
+                self.transport._drive(self, until, block=block, target=target,
+                                      at_least=at_least)
             elif block:
-                self._wait(until, target)
+                self._wait(until, target, at_least)
         except BaseException:
             self.close()             # a failed exchange frees the transport for the next
             raise
 
-    def _wait(self, until, target: int | None = None) -> None:
+    def _wait(self, until, target: int | None = None, at_least: int | None = None) -> None:
         """Background mode: sleep until the I/O thread made until() true, or failed.
         target: until() means chunks [0, target) are done; the I/O thread is told (a
-        native call in progress ends, so it stops as soon as those chunks are in)."""
+        native call in progress ends, so it stops as soon as those chunks are in).
+        at_least: for a predicate of the caller's, the done chunks it needs first (the
+        I/O thread waits for them in one native call)."""
         with self._progress:
             # A predicate of the caller's (target None) is checked after every round. While
             # the I/O thread is inside a native call, the stream's arrays are the call's:
             # nothing here looks at them until it is out (it is woken to take the new goal).
             self._wanted = EVERY_ROUND if target is None else target
+            self._at_least = at_least if target is None else None
             if self._in_c:
                 os.write(self._wake_w, b"w")
             try:
@@ -928,7 +951,7 @@ class TensorStream:
                                              "ended before its results were in")
                     self._progress.wait(0.5)
             finally:
-                self._wanted = None
+                self._wanted = self._at_least = None
 
     def _io_target(self) -> int | None:
         """The chunks the I/O thread's next native call brings in: every chunk submitted,
@@ -991,7 +1014,12 @@ class TensorStream:
                         self._progress.notify_all()
                         return
                     target = self._io_target()
-                    in_c = target is not None and self._wanted != EVERY_ROUND
+                    # a waiter's own predicate goes round by round, once the chunks it
+                    # needs first (its hint) are in: those come in one native call
+                    at_least = (self._at_least if self._wanted == EVERY_ROUND
+                                and t._native_hint(self, self._at_least) else None)
+                    in_c = target is not None and (self._wanted != EVERY_ROUND
+                                                   or at_least is not None)
                     if in_c:
                         t._native_enter(self)
                         window.state.wake_fd = self._wake_r
@@ -1008,13 +1036,13 @@ class TensorStream:
                 if not in_c:
                     t.io.wait_readable(wait, also=self._wake_r)
                     continue
-                status = window.run(True, target)
+                status = window.run(True, target, at_least)
                 with self.lock:
                     self._in_c = False
                     window.state.wake_fd = -1
                     t._native_leave(self)
                     try:
-                        t._native_outcome(self, status, target)
+                        t._native_outcome(self, status, target, at_least)
                     finally:
                         self._progress.notify_all()
         except BaseException as exc:         # handed to the waiter

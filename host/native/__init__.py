@@ -81,7 +81,8 @@ def open_library(path: str = LIBRARY):
         return None, f"{path} is not built (run `make build`)"
     try:
         lib = ctypes.CDLL(path)
-        lib.dp_run.argtypes = [ctypes.POINTER(DpStream), ctypes.c_int, ctypes.c_int64]
+        lib.dp_run.argtypes = [ctypes.POINTER(DpStream), ctypes.c_int, ctypes.c_int64,
+                               ctypes.c_int64]
         lib.dp_run.restype = ctypes.c_int
         lib.dp_stream_size.restype = ctypes.c_int64
     except (OSError, AttributeError) as exc:
@@ -162,14 +163,17 @@ class NativeWindow:
         s.wake_fd = -1
         self._ref = ctypes.byref(s)
 
-    def run(self, block: bool, target: int) -> int:
-        """dp_run: rounds until chunks [0, target) are done (block=False: one round).
-        The counters in `state` are this call's (zeroed first)."""
+    def run(self, block: bool, target: int, at_least: int | None = None) -> int:
+        """dp_run: rounds until chunks [0, target) are done, or at_least chunks in any
+        order (None: no such goal); block=False: one round. The counters in `state` are
+        this call's (zeroed first)."""
         s = self.state
         for name in COUNTERS:
             setattr(s, name, 0)
         s.rtt_count = s.rx_truncated = s.err = 0
-        return self._lib.dp_run(self._ref, 1 if block else 0, target)
+        never = s.n_chunks + 1
+        return self._lib.dp_run(self._ref, 1 if block else 0, target,
+                                never if at_least is None else at_least)
 
     def rtt_samples(self) -> list[float]:
         """The RTT samples of the last call."""

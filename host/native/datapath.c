@@ -488,9 +488,11 @@ static int alloc_scratch(struct dp_stream *s, struct scratch *m)
     return 0;
 }
 
-/* Rounds until chunks [0, target) are done (block=0: one round). A status other than
- * DP_DONE says what Python must do (the module comment). */
-int dp_run(struct dp_stream *s, int block, int64_t target)
+/* Rounds until chunks [0, target) are done, or at least at_least chunks in any order
+ * (a bounded-loss rule's necessary condition, so it needs no Python between arrivals);
+ * block=0: one round. A status other than DP_DONE says what Python must do (the module
+ * comment). */
+int dp_run(struct dp_stream *s, int block, int64_t target, int64_t at_least)
 {
     struct scratch m;
     int status, err = alloc_scratch(s, &m);
@@ -501,7 +503,7 @@ int dp_run(struct dp_stream *s, int block, int64_t target)
     for (;;) {
         int progress;
         status = one_round(s, &m, &progress);
-        if (status != DP_DONE || !block || done_prefix(s) >= target)
+        if (status != DP_DONE || !block || done_prefix(s) >= target || s->n_done >= at_least)
             break;
         if (s->available < s->n_chunks && s->done_prefix >= s->available) {
             status = DP_WAITING_INPUT;
@@ -525,7 +527,7 @@ int dp_run(struct dp_stream *s, int block, int64_t target)
             status = DP_WOKEN;
             break;
         }
-        if (monotonic_now() - s->stream_last_progress > s->timeout && done_prefix(s) < target) {
+        if (monotonic_now() - s->stream_last_progress > s->timeout) {
             status = DP_TIMEOUT;
             break;
         }

@@ -352,3 +352,41 @@ def test_result_moderation_gathers_results_without_changing_them(aggregator):
     with pytest.raises(ValueError, match="moderation"):
         AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
                             moderation=0.5)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "io-thread"])
+def test_a_completion_rule_with_a_hint_waits_in_c(aggregator, monkeypatch, background):
+    """A caller's own completion rule (bounded loss: enough chunks back) with the number of
+    done chunks it needs first: the native loop waits for those in one call instead of
+    returning to Python after every round, and the rule and the sums are the same."""
+    from host.native import NativeWindow
+    vpp, pool, chunks = 256, 16, 120
+    idx = random_indices(1, chunks * vpp, 41)[0]
+    calls = {"hinted": 0, "all": 0}
+    real_run = NativeWindow.run
+
+    def counting_run(self, block, target, at_least=None):
+        calls["all"] += 1
+        calls["hinted"] += at_least is not None
+        return real_run(self, block, target, at_least)
+    monkeypatch.setattr(NativeWindow, "run", counting_run)
+    rounds = {}
+    for hint in (None, chunks - 10):
+        svc, addrs = aggregator(1, pool)
+        t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
+                                local=addrs[0], values_per_packet=vpp, timeout=15,
+                                native=True)
+        t.flush()
+        calls.update(hinted=0, all=0)
+        stream = t.open_stream(len(idx), 3, background=background)
+        stream.submit(pack(idx), len(idx))
+        stream.wait_until(lambda: int(stream.ex.done.sum()) >= chunks - 10, at_least=hint)
+        assert stream.ex.done.sum() >= chunks - 10
+        res = stream.finish()
+        t.close()
+        assert np.array_equal(res.sums, TABLE[idx])
+        rounds[hint] = dict(calls)
+    assert rounds[None]["hinted"] == 0
+    assert rounds[chunks - 10]["hinted"] >= 1
+    # without the hint the rule is looked at after every round (one call per round)
+    assert rounds[chunks - 10]["all"] < rounds[None]["all"], rounds
