@@ -260,6 +260,10 @@ class AggregatorTransport:
         self.timeout, self.policy, self.on_straggler = timeout, policy, on_straggler
         self.moderation = moderation
         self.timer = timer or RetransmitTimer()
+        # One RTT estimate per layer (a DDP bucket, a DLCP band): under strict priority a
+        # back band's packets wait behind the front's, and one shared estimate, kept short
+        # by the front band, timed them out while they were only queued (docs/dlcp.md).
+        self._layer_timers = {0: self.timer}
         self.stats = TransportStats()
         self.slot_rounds = np.zeros(pool_size, dtype=np.int64)   # next round of each slot
         self.sock = sock or socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -408,8 +412,19 @@ class AggregatorTransport:
         if self._stream is not None and not self._stream.closed:
             raise TransportError(f"worker {self.worker}: tensor {self._stream.ex.tensor} is "
                                  "still in flight; finish its stream before the next one")
+        self.timer = self._layer_timer(layer)
         self._stream = TensorStream(self, num_values, tensor, layer, num_layers, background)
         return self._stream
+
+    def _layer_timer(self, layer: int) -> RetransmitTimer:
+        """The retransmission timer of a layer's streams (a fresh one, with the first
+        timer's bounds, for a layer not seen before)."""
+        timer = self._layer_timers.get(layer)
+        if timer is None:
+            first = self._layer_timers[0]
+            timer = self._layer_timers[layer] = RetransmitTimer(
+                rto_init=first.rto_init, rto_min=first.rto_min, rto_max=first.rto_max)
+        return timer
 
     # ----------------------------------------------------------------- the exchange loop
 

@@ -390,3 +390,30 @@ def test_a_completion_rule_with_a_hint_waits_in_c(aggregator, monkeypatch, backg
     assert rounds[chunks - 10]["hinted"] >= 1
     # without the hint the rule is looked at after every round (one call per round)
     assert rounds[chunks - 10]["all"] < rounds[None]["all"], rounds
+
+
+@PATHS
+def test_each_layer_keeps_its_own_rtt_estimate(aggregator, use_native):
+    """Streams of one layer (a DDP bucket, a DLCP band) learn and use their own
+    retransmission timer: a band whose packets wait behind a higher one's in a strict-
+    priority queue must not time out on the estimate the fast band keeps short."""
+    vpp, pool = 256, 8
+    svc, addrs = aggregator(1, pool)
+    t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
+                            local=addrs[0], values_per_packet=vpp, timeout=15,
+                            native=use_native)
+    t.flush()
+    idx = random_indices(1, 20 * vpp, 5)[0]
+    t.allreduce(pack(idx), len(idx), 1, layer=0, num_layers=2)
+    front = t.timer
+    assert front.srtt is not None
+    slow = t._layer_timer(1)
+    slow.srtt, slow.rttvar = 0.5, 0.1            # as if layer 1 had always waited 0.5 s
+    srtt_front = front.srtt
+    res = t.allreduce(pack(idx), len(idx), 2, layer=1, num_layers=2)
+    assert np.array_equal(res.sums, TABLE[idx])
+    assert t.timer is slow and slow.srtt < 0.5   # its own samples moved it
+    assert front.srtt == srtt_front              # the other layer's estimate untouched
+    t.allreduce(pack(idx), len(idx), 3, layer=0, num_layers=2)
+    assert t.timer is front and front.rto < 0.5
+    t.close()
