@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .costmodel import Network, make_cluster
+from .costmodel import NIC_SIDES, Network, make_cluster
 
 DEFAULT_SIZES = (16 * 1024, 128 * 1024, 512 * 1024)
 DEFAULT_COUNTS = (1, 4)
@@ -116,8 +116,10 @@ def shared_nic_network(net: Network, servers: Sequence[int]) -> Network:
     rank r; rank-ordered chains and trees then cross each NIC at most once each way, which
     the cost model's routes need). A server's NIC rate is the fastest pair it took part in
     (a pair runs at the slower of its two NICs, so only the fastest server's NIC is
-    underestimated, as the second fastest); inside a server, the median of its pairs; the
-    wire's latency, the median over pairs between servers."""
+    underestimated, as the second fastest), taken for each direction apart (the NIC's send
+    side from the pairs it sends in, its receive side from those it receives in, so load on
+    one direction of a link shows on that side only); inside a server, the median of its
+    pairs; the wire's latency, the median over pairs between servers."""
     servers = np.asarray([int(v) for v in servers])
     n = len(servers)
     if net.n != n or net.gpus() != list(range(n)):
@@ -132,16 +134,22 @@ def shared_nic_network(net: Network, servers: Sequence[int]) -> Network:
     gbps = 8.0 / (net.beta * 1e9)
     same = np.equal.outer(servers, servers) & ~np.eye(n, dtype=bool)
     cross = ~np.equal.outer(servers, servers)
-    nic = [float(max(gbps[servers == s][:, servers != s].max(),
-                     gbps[servers != s][:, servers == s].max())) for s in range(n_servers)]
+    send = [float(gbps[servers == s][:, servers != s].max()) for s in range(n_servers)]
+    receive = [float(gbps[servers != s][:, servers == s].max()) for s in range(n_servers)]
+    nic = [max(a, b) for a, b in zip(send, receive)]
     if same.any():
         inside, inside_alpha = float(np.median(gbps[same])), float(np.median(net.alpha[same]))
     else:
         # one GPU per server: the GPU-NIC hop is never what limits (PCIe, or the host)
         inside, inside_alpha = 100.0 * max(nic), 0.0
     counts = [int((servers == s).sum()) for s in range(n_servers)]
-    return make_cluster(counts, nic, nvlink_gbps=inside, nvlink_alpha=inside_alpha,
-                        net_alpha=float(np.median(net.alpha[cross])), nic_nodes=True)
+    cluster = make_cluster(counts, nic, nvlink_gbps=inside, nvlink_alpha=inside_alpha,
+                           net_alpha=float(np.median(net.alpha[cross])), nic_nodes=True)
+    for s in range(n_servers):            # each side of a NIC at its own direction's rate
+        tx, rx, out, inp = (cluster.names.index(f"s{s}nic.{side}") for side in NIC_SIDES)
+        cluster.beta[tx, out] = 8.0 / (send[s] * 1e9)
+        cluster.beta[inp, rx] = 8.0 / (receive[s] * 1e9)
+    return cluster
 
 
 class PeriodicProfiler:

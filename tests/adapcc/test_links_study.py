@@ -88,3 +88,18 @@ def test_servers_are_refused_at_set_up_with_what_to_change():
         run_study(rates=(100, 40), delays=(0, 0), servers=(0, 1, 0, 1))
     with pytest.raises(ValueError, match="one rate and one delay each"):
         run_study(rates=(100, 40, 10), delays=(0, 0, 0), servers=(0, 0, 1, 1))
+
+
+def test_background_load_during_the_run_keeps_every_strategy_exact():
+    """Paced UDP from host 0 to host 1 from phase 1 on, no re-shape: the workers
+    re-profile and re-synthesize under the load and every strategy's sums stay exact."""
+    from host.experiments.adapcc.links_study import run_study
+    res = run_study(rates=(160, 160, 160, 40), delays=(0, 0, 0, 0), mb=0.5, reps=2,
+                    change=None, background=(0, 1, 100), milp_seconds=5, timeout=240,
+                    train_steps=0, hidden=32)
+    assert res["background"] == [0, 1, 100] and res["change"] is None
+    assert res["rates_mbit"][0] == res["rates_mbit"][1] == [160, 160, 160, 40]
+    for phase in res["phases"]:
+        assert all(row["exact"] for row in phase["rows"].values()), phase["rows"]
+    with pytest.raises(ValueError, match="SRC:DST:MBIT"):
+        run_study(rates=(160, 160), delays=(0, 0), background=(0, 0, 10))

@@ -1,13 +1,18 @@
 """AdapCC on shaped links: profiler + synthesizer + executor against gloo, measured (root).
 
     python -m host.experiments.adapcc.links_study [--json FILE] [--rates 200,200,100,50]
-        [--delays 0,1,2,4] [--mb 4] [--reps 3] [--change 0:30] [--m 1] [--servers 0,0,1,1]
+        [--delays 0,1,2,4] [--mb 4] [--reps 3] [--change 0:30|none] [--m 1]
+        [--servers 0,0,1,1] [--background SRC:DST:MBIT]
 
 Four worker processes, each in its own network namespace of the lab (host.netlab.topology,
 bridge layout) on links of different rates (and latencies, where the kernel has netem), form
 a gloo process group over those links.  In each phase every rank profiles the links
-(``profile_links``), rank 0 synthesizes an AllReduce strategy (``Synthesizer``: the MILP on
-four nodes) and broadcasts it, and on the same tensor the ranks time, interleaved, rep by rep:
+(``profile_links``), rank 0 synthesizes an AllReduce strategy (``Synthesizer``) on the
+profile read as hosts whose one link is their NIC, shared by all their flows
+(``shared_nic_network``; ``--pairwise-model``: on the pairwise profile itself, which
+cannot see that a star's flows into one host share its link) and broadcasts it, with the
+NIC relays left out of its routes (``on_gpus``), and on the same tensor the ranks time,
+interleaved, rep by rep:
 gloo's own ``dist.all_reduce`` (ring), the synthesized strategy and the executor's fixed ring,
 binary tree and star (``host/adapcc/strategies.py``, rooted at rank 0, at the builders' 8
 chunks and at the synthesized strategy's chunk count).  A time is the slowest
@@ -27,12 +32,14 @@ show, and with M = 2 the synthesizer's picks (twice the chunk steps) measured sl
 fixed strategies.  Without netem (some kernels) the links are shaped by tbf, rate only: the
 delays are then not applied, and the JSON says so (``netem``, ``delays_ms``).
 
+``--background src:dst:mbit`` starts paced UDP from host src to host dst when phase 1
+begins (before its profile), so the other traffic on the links changes during the run, with
+or without a re-shape (``--change none``).
+
 ``--servers`` emulates servers with several GPUs: servers[r] is rank r's server, each server
 one namespace with one shaped link (its NIC, --rates and --delays per server), so the ranks
-of a server talk over the namespace's loopback and share the NIC for everything else.  The
-synthesizer then plans on the profile read as such servers (``shared_nic_network``: NIC
-nodes, each server's cross-server flows sharing its NIC) and the executor runs the pick
-with the NIC relays left out of its routes (``on_gpus``).
+of a server talk over the namespace's loopback and share the NIC for everything else, and
+the synthesizer's model has several GPUs behind each NIC.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -58,6 +66,7 @@ from host.adapcc.costmodel import evaluate, on_gpus
 from host.adapcc.executor import TreeExecutor
 from host.adapcc.profiler import profile_links, shared_nic_network
 from host.adapcc.synthesizer import Synthesizer
+from host.netlab.background import mbit_to_pps, send_paced
 from host.experiments.common import load_digits_split, make_model
 
 GLOO_PORT = 29611
@@ -125,8 +134,9 @@ def _synthesize(synth, world: int, nbytes: int, profile_kwargs,
         info["profiled_mbit"] = {f"{i}->{j}": 8 / float(net.beta[i, j]) / 1e6 for i, j in off}
         info["profiled_alpha_us"] = {f"{i}->{j}": float(net.alpha[i, j]) * 1e6 for i, j in off}
         info["model"] = "pairwise profile"
-        if servers is not None and _grouped(servers) and not pairwise:
-            net = shared_nic_network(net, servers)
+        if not pairwise:
+            # every host's link is its NIC: shared by all of its flows (and its ranks')
+            net = shared_nic_network(net, servers or list(range(world)))
             info["model"] = "shared NIC per server"
         started = time.perf_counter()
         synth.update_profile(net)
@@ -311,21 +321,40 @@ def _spawn(tb, args, sync: Path, out: Path) -> list[subprocess.Popen]:
     return procs
 
 
-def _drive(tb, procs, sync: Path, change: tuple[int, float], deadline: float) -> None:
-    """Re-shape the changed host's link when rank 0 reports phase 0 done; wait for all."""
-    host, mbit = change
-    while any(p.poll() is None for p in procs):
-        if time.time() > deadline:
-            raise TimeoutError("the workers did not finish in time")
-        if (sync / "done1").exists() and not (sync / "go1").exists():
-            tb.set_rate(host, mbit)
-            (sync / "go1").touch()
-        time.sleep(0.05)
+BACKGROUND_BYTES = 1400        # background datagrams: about a full frame each
 
 
-def _check_servers(servers, rates, delays, change) -> list[int]:
-    """servers (None: one rank per host) against one rate and delay per server; refused at
-    set-up with what to change."""
+def _drive(tb, procs, sync: Path, change, deadline: float, background=None) -> None:
+    """When rank 0 reports phase 0 done: re-shape the changed host's link (change: (host,
+    mbit) or None) and start the background load (background: (src, dst, mbit) or None:
+    paced UDP from host src to host dst, which loads src's link out and dst's link in);
+    then wait for all. The load runs until the workers end."""
+    load = None
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                raise TimeoutError("the workers did not finish in time")
+            if (sync / "done1").exists() and not (sync / "go1").exists():
+                if change is not None:
+                    tb.set_rate(*change)
+                if background is not None:
+                    src, dst, mbit = background
+                    load = mp.get_context("spawn").Process(
+                        target=send_paced, daemon=True,
+                        args=(tb.hosts[src].ns, tb.host_ip(dst),
+                              mbit_to_pps(mbit, BACKGROUND_BYTES), BACKGROUND_BYTES))
+                    load.start()
+                (sync / "go1").touch()
+            time.sleep(0.05)
+    finally:
+        if load is not None:
+            load.kill()
+            load.join(5)
+
+
+def _check_servers(servers, rates, delays, change, background=None) -> list[int]:
+    """servers (None: one rank per host) against one rate and delay per server, and the
+    hosts that change and background name; refused at set-up with what to change."""
     servers = list(range(len(rates))) if servers is None else [int(v) for v in servers]
     if servers[0] != 0 or any(b - a not in (0, 1) for a, b in zip(servers, servers[1:])):
         raise ValueError(f"servers {servers}: number the servers 0, 1, ... in rank order, the "
@@ -333,21 +362,29 @@ def _check_servers(servers, rates, delays, change) -> list[int]:
     if servers[-1] + 1 != len(rates) or len(delays) != len(rates):
         raise ValueError(f"{servers[-1] + 1} servers need one rate and one delay each; got "
                          f"{len(rates)} rates and {len(delays)} delays")
-    if not 0 <= change[0] < len(rates):
+    if change is not None and not 0 <= change[0] < len(rates):
         raise ValueError(f"change: server {change[0]} does not exist (0..{len(rates) - 1})")
+    if background is not None:
+        src, dst, mbit = background
+        if not (0 <= src < len(rates) and 0 <= dst < len(rates)) or src == dst or mbit <= 0:
+            raise ValueError(f"background {background}: give two different hosts of "
+                             f"0..{len(rates) - 1} and a positive rate (SRC:DST:MBIT)")
     return servers
 
 
 def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, reps: int = 3,
               change=(0, 30), m: int = 1, milp_seconds: float = 10.0, profile_repeats: int = 1,
               timeout: float = 600.0, profile_kb=PROFILE_KB, train_steps: int = 0,
-              hidden: int = 256, servers=None, pairwise_model: bool = False) -> dict:
+              hidden: int = 256, servers=None, pairwise_model: bool = False,
+              background=None) -> dict:
     """Both phases on one topology; returns {"phases": [summary, summary], ...}. rates,
     delays and change are per server (per rank without servers); pairwise_model: plan on the
-    pairwise profile even where servers share a NIC (the model without NIC nodes)."""
+    pairwise profile even where servers share a NIC (the model without NIC nodes);
+    background: (src, dst, mbit) of paced UDP load from phase 1 on (None: none); change:
+    None for no re-shape."""
     from host.netlab.links import netem_available
     from host.netlab.topology import Topology
-    servers = _check_servers(servers, rates, delays, change)
+    servers = _check_servers(servers, rates, delays, change, background)
     netem = netem_available()
     applied = list(delays) if netem else [0.0] * len(rates)   # tbf cannot delay
     args = argparse.Namespace(world=len(servers), servers=servers,
@@ -362,7 +399,7 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
         sync, out = Path(tmp), Path(tmp) / "out.json"
         procs = _spawn(tb, args, sync, out)
         try:
-            _drive(tb, procs, sync, change, started + timeout)
+            _drive(tb, procs, sync, change, started + timeout, background)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -374,11 +411,14 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
         per_rank = json.loads(out.read_text())
         qdisc = tb.qdisc
     rates_after = list(rates)
-    rates_after[change[0]] = change[1]
+    if change is not None:
+        rates_after[change[0]] = change[1]
     return {"rates_mbit": [list(rates), rates_after], "servers": servers,
             "pairwise_model": pairwise_model, "delays_ms": applied,
             "delays_requested_ms": list(delays), "netem": netem, "qdisc": qdisc,
-            "tensor_mb": mb, "reps": reps, "m": m, "change": list(change),
+            "tensor_mb": mb, "reps": reps, "m": m,
+            "change": None if change is None else list(change),
+            "background": None if background is None else list(background),
             "profile_kb": list(profile_kb), "train_steps": train_steps, "hidden": hidden,
             "load_average_before": list(load_before), "load_average_after":
             list(os.getloadavg()), "cpus": os.cpu_count(), "wall_s": time.time() - started,
@@ -394,6 +434,9 @@ def print_table(res: dict) -> None:
               f"{'/'.join(f'{d:g}' for d in res['delays_ms'])} ms, {res['tensor_mb']:g} MB "
               f"float32, median of {res['reps']}; profile {phase['profile_s']:.1f} s, "
               f"synthesis {phase['synthesis_s']:.1f} s")
+        if p and res.get("background"):
+            src, dst, mbit = res["background"]
+            print(f"background load: {mbit:g} Mbit/s of UDP from host {src} to host {dst}")
         print(f"{'strategy':<26}{'ms':>8}{'x gloo':>8}{'model ms':>10}  exact")
         for name, row in phase["rows"].items():
             model = f"{row['modelled_ms']:.0f}" if row["modelled_ms"] is not None else "-"
@@ -427,13 +470,17 @@ def main():
                     help="server of each rank, e.g. 0,0,1,1: the ranks of a server share its "
                          "namespace and its one link (default: one rank per host)")
     ap.add_argument("--pairwise-model", action="store_true",
-                    help="with --servers: plan on the pairwise profile, as if no NIC were "
-                         "shared (for comparison)")
+                    help="plan on the pairwise profile, as if no host's link were shared "
+                         "by its flows (the model before NIC nodes; for comparison)")
     ap.add_argument("--delays", type=_floats, default=[0, 1, 2, 4],
                     help="ms per host link (needs netem; ignored where the kernel lacks it)")
     ap.add_argument("--mb", type=float, default=4, help="tensor size, MiB of float32")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--change", default="0:30", help="host:mbit re-shaped between phases")
+    ap.add_argument("--change", default="0:30",
+                    help="host:mbit re-shaped between phases ('none': no re-shape)")
+    ap.add_argument("--background", default=None,
+                    help="src:dst:mbit of paced UDP load from host src to host dst during "
+                         "phase 1 (the links' other traffic changes during the run)")
     ap.add_argument("--m", type=int, default=1, help="sub-collectives of the synthesizer")
     ap.add_argument("--milp-seconds", type=float, default=10.0)
     ap.add_argument("--profile-repeats", type=int, default=1)
@@ -452,14 +499,21 @@ def main():
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    host, mbit = args.change.split(":")
+    change = None
+    if args.change.lower() != "none":
+        host, mbit = args.change.split(":")
+        change = (int(host), float(mbit))
+    background = None
+    if args.background:
+        src, dst, mbit = args.background.split(":")
+        background = (int(src), int(dst), float(mbit))
     if args.servers is not None and args.delays == ap.get_default("delays"):
         args.delays = [0.0] * len(args.rates)
     try:
-        res = run_study(args.rates, args.delays, args.mb, args.reps, (int(host), float(mbit)),
+        res = run_study(args.rates, args.delays, args.mb, args.reps, change,
                         args.m, args.milp_seconds, args.profile_repeats, args.timeout,
                         args.profile_kb, args.train_steps, args.hidden, args.servers,
-                        args.pairwise_model)
+                        args.pairwise_model, background)
     except ValueError as exc:
         ap.error(str(exc))
     print_table(res)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -50,6 +49,7 @@ from dataplane.udp_service import serve
 from host.ddp_hook import thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
 from host.netlab.dlcp_probes import live_switch_skip_reason
+from host.netlab.background import send_paced
 from host.netlab.links import enter_netns, in_netns
 from host.netlab.topology import Topology
 from host.transport import default_policy
@@ -57,27 +57,7 @@ from host.transport import default_policy
 AGG_UDP_PORT = 47100           # outside 50000-50015: the switch routes it, does not add it
 WORKER_UDP_PORT = 47200
 GLOO_PORT = 47300
-BACKGROUND_PORT = 47400        # nothing listens: the datagrams only load the queue
 BACKGROUND_BYTES = 600         # about a THC DATA packet of 1024 values
-BACKGROUND_BATCH_S = 0.001     # paced in 1 ms batches
-
-
-def _background(ns: str, dst: str, pps: float, tos: int) -> None:
-    """Send pps datagrams/s to dst with this IP TOS until killed (a process of its own)."""
-    enter_netns(ns)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
-    payload = bytes(BACKGROUND_BYTES)
-    sent, t0 = 0, time.monotonic()
-    while True:
-        due = int((time.monotonic() - t0) * pps)
-        for _ in range(due - sent):
-            try:
-                sock.sendto(payload, (dst, BACKGROUND_PORT))
-            except OSError:           # a full socket buffer or an ICMP error: keep pacing
-                pass
-        sent = max(sent, due)
-        time.sleep(BACKGROUND_BATCH_S)
 
 
 def _worker(rank, cfg, queue):
@@ -168,9 +148,9 @@ def run_mode(mode: str, args) -> dict:
         if extra:
             # Not-ECT in the queue THC's front band uses in this mode.
             tos = (band_to_dscp(0) if mode == "dlcp" else 0) << 2
-            background = ctx.Process(target=_background, daemon=True,
+            background = ctx.Process(target=send_paced, daemon=True,
                                      args=(tb.senders[world].ns, agg_host.ip,
-                                           args.background_pps, tos))
+                                           args.background_pps, BACKGROUND_BYTES, tos))
         t0 = time.monotonic()
         for p in procs + ([background] if background else []):
             p.start()
