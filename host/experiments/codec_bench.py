@@ -452,8 +452,8 @@ def _profile_cuda(fn, rounds=5):
     busy_ms = sum(r[2] for r in rows)
     print(f"\nGPU worker round, profiled: {len(rows)} kernels or copies seen")
     if rows:
-        print_table(f"GPU worker round, profiled ({rounds} rounds; wall {wall_ms:.3f} ms per round "
-                    f"under the profiler, GPU busy {busy_ms:.3f} ms)",
+        print_table(f"GPU worker round, profiled ({rounds} rounds; wall {wall_ms:.3f} ms per "
+                    f"round under the profiler, GPU busy {busy_ms:.3f} ms)",
                     ["kernel or copy", "per round", "device ms per round"], rows[:14])
     return {"wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
             "items": [dict(zip(["name", "per_round", "device_ms"], r)) for r in rows]}

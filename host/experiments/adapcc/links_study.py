@@ -441,7 +441,8 @@ def print_table(res: dict) -> None:
         for name, row in phase["rows"].items():
             model = f"{row['modelled_ms']:.0f}" if row["modelled_ms"] is not None else "-"
             print(f"{name:<26}{row['ms']:>8.0f}{row['x_gloo']:>8.2f}{model:>10}  {row['exact']}")
-        print(f"synthesized by {phase['method']} on the {phase['model']}: trees {phase['strategy']}; its time / the "
+        print(f"synthesized by {phase['method']} on the {phase['model']}: trees "
+              f"{phase['strategy']}; its time / the "
               f"best fixed ({phase['best_fixed']}): {phase['synthesized_over_best_fixed']:.2f}")
         if "train" in phase:
             t = phase["train"]
