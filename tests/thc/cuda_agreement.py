@@ -72,6 +72,13 @@ def main():
                                 error_out=err_dev)
     check(np.array_equal(packed_dev.copy_to_host(), packed), "quantize with error_out")
     check(np.allclose(err_dev.copy_to_host(), err, atol=1e-6), "quantize error_out")
+    # no rotation (rotate=False): padding and un-padding only
+    codec = thc.THCCodec(partition_size=128, seed=3, rotate=False)
+    x = rs.standard_normal(300).astype(np.float32)
+    padded = codec.rotate(x)
+    check(np.array_equal(codec.rotate(cuda.to_device(x)).copy_to_host(), padded), "pad")
+    check(np.array_equal(codec.inverse_rotate(cuda.to_device(padded), 300).copy_to_host(), x),
+          "unpad")
     # global (radix-4 and radix-2) FWHT stages, with a tiny shared-memory block
     shared_fwht, cuda_kernels.SHARED_FWHT = cuda_kernels.SHARED_FWHT, 8
     codec = thc.THCCodec(partition_size=128, seed=3)
