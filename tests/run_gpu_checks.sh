@@ -26,6 +26,30 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
             "cuda", torch.version.cuda, torch.cuda.get_device_name(0))'
 } 2>&1 | tee "$out/machine.txt"
 
+# Numba's CUDA target must compile a kernel here; a numba-cuda older than the numpy beside
+# it fails at its first compile (seen: numpy 2.5 removed np.row_stack), deep inside the
+# tests, so say it at once.
+if ! "$py" - <<'PY'
+import numpy as np
+from numba import cuda
+
+
+@cuda.jit
+def one(a):
+    a[0] = 1
+
+
+out = cuda.device_array(1, np.int32)
+one[1, 1](out)
+assert out.copy_to_host()[0] == 1
+PY
+then
+  echo "numba-cuda cannot compile and run a kernel here (error above): no GPU, or a numpy" \
+       "its version does not support (numpy 2.5 with an older numba-cuda: install" \
+       "'numpy<2.5')" >&2
+  exit 2
+fi
+
 # the worker's native data path (without it the transport's Python path runs)
 make -s native || echo "native data path not built: the Python path runs"
 
