@@ -35,18 +35,20 @@ def test_per_host_rates_and_set_rate():
 
 
 def test_synthesized_never_slower_than_best_fixed_and_exact():
-    """The profile is pairwise: a pair runs at the slower of its two links, so roots whose own
-    links differ but that reach the slowest host equally look alike to the synthesizer, and a
-    star on the slower of them loads its link 3x (docs/adapcc.md, "Measured on shaped links").
-    These rates leave no such tie: every host but the slowest (and, after the change, the
-    re-shaped one) has the same link."""
-    from host.experiments.adapcc.links_study import GLOO, run_study
+    """The synthesizer plans on the profile read as hosts whose one link is their NIC, so a
+    star's flows into one host share its link in the model as on the wire. These rates also
+    leave no tie for the pairwise model (`--pairwise-model`), where a pair runs at the slower
+    of its two links and roots that reach the slowest host equally look alike
+    (docs/adapcc.md, "Measured on shaped links"): every host but the slowest (and, after the
+    change, the re-shaped one) has the same link."""
+    from host.experiments.adapcc.links_study import GLOO, SYNTH, run_study
     # 0.5 MB: well above tbf's 64 KB burst, so the links' rates, not the burst, decide
     res = run_study(rates=(160, 160, 160, 40), delays=(0, 0, 0, 0), mb=0.5, reps=3,
                     change=(0, 20), milp_seconds=5, timeout=240, train_steps=3, hidden=32)
     for phase in res["phases"]:
         rows = phase["rows"]
         assert all(row["exact"] for row in rows.values()), rows
+        assert phase["model"] == "shared NIC per server" and rows[SYNTH]["ms"] > 0
         # the best of ring, binary tree and star, each at 8 chunks and at the synthesized
         # strategy's chunk count
         assert phase["synthesized_over_best_fixed"] <= 1 + MARGIN, (phase["method"], rows)
