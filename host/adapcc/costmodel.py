@@ -133,7 +133,7 @@ class Network:
 
 def make_cluster(gpus_per_server, nic_gbps, nvlink_gbps=300.0, nvlink_alpha=5e-6,
                  net_alpha=20e-6, aggregator_gbps=None, aggregator_alpha=5e-6,
-                 nic_nodes=False, core_gbps=10_000.0) -> Network:
+                 nic_nodes=False, core_gbps=10_000.0, nic_receive_gbps=None) -> Network:
     """A cluster of servers: NVLink inside a server, NIC bandwidth between servers.
 
     ``nic_nodes=False`` (the older, optimistic model): every cross-server GPU pair gets its own link
@@ -142,10 +142,16 @@ def make_cluster(gpus_per_server, nic_gbps, nvlink_gbps=300.0, nvlink_alpha=5e-6
     over the intra-server link (the paper does not profile PCIe, it overlaps with the network), and
     all of a server's cross-server traffic shares its NIC's two port links.  With
     ``aggregator_gbps`` an in-network aggregator ``agg`` is added at min(NIC, aggregator) rate,
-    linked to every GPU, or to every NIC port with ``nic_nodes``.
+    linked to every GPU, or to every NIC port with ``nic_nodes``.  ``nic_receive_gbps`` (with
+    ``nic_nodes``): each NIC's receive side at its own rate (default: ``nic_gbps``, which is
+    then the send side's), for links loaded or shaped differently in the two directions.
     """
     if len(gpus_per_server) != len(nic_gbps):
         raise ValueError("give one NIC bandwidth per server")
+    if nic_receive_gbps is None:
+        nic_receive_gbps = nic_gbps
+    elif len(nic_receive_gbps) != len(nic_gbps) or not nic_nodes:
+        raise ValueError("nic_receive_gbps: one receive bandwidth per server, with nic_nodes")
     names, kinds, server_of = [], [], []
     for s, count in enumerate(gpus_per_server):
         for g in range(count):
@@ -182,7 +188,7 @@ def make_cluster(gpus_per_server, nic_gbps, nvlink_gbps=300.0, nvlink_alpha=5e-6
         for a in range(n_servers):
             twins.update({tx[a]: rx[a], rx[a]: tx[a], out[a]: inp[a], inp[a]: out[a]})
             link(tx[a], out[a], nic_gbps[a], 0.0)       # latency is charged on the wire below
-            link(inp[a], rx[a], nic_gbps[a], 0.0)
+            link(inp[a], rx[a], nic_receive_gbps[a], 0.0)
             for b in range(n_servers):
                 if a != b:
                     link(out[a], inp[b], core_gbps, net_alpha)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .costmodel import NIC_SIDES, Network, make_cluster
+from .costmodel import Network, make_cluster
 
 DEFAULT_SIZES = (16 * 1024, 128 * 1024, 512 * 1024)
 DEFAULT_COUNTS = (1, 4)
@@ -105,51 +105,55 @@ def profile_links(group=None, sizes=DEFAULT_SIZES, counts=DEFAULT_COUNTS, repeat
     return Network([f"rank{r}" for r in range(world)], ["gpu"] * world, alpha, beta)
 
 
+def server_layout(servers: Sequence[int]) -> list[int]:
+    """servers[r], the server of rank r, checked for shared_nic_network: numbered 0, 1, ... in
+    rank order with the ranks of a server next to each other (make_cluster numbers GPUs
+    server by server, so node r stays rank r; rank-ordered chains and trees then cross each
+    NIC at most once each way, which the cost model's routes need), and at least two
+    servers (else there is no NIC to model)."""
+    servers = [int(v) for v in servers]
+    if not servers or servers[0] != 0 or any(b - a not in (0, 1)
+                                             for a, b in zip(servers, servers[1:])):
+        raise ValueError(f"servers {servers}: number the servers 0, 1, ... in rank order, the "
+                         "ranks of one server next to each other (e.g. 0,0,1,1)")
+    if servers[-1] == 0:
+        raise ValueError("servers: every rank is on one server; there is no NIC to model")
+    return servers
+
+
 def shared_nic_network(net: Network, servers: Sequence[int]) -> Network:
     """A pairwise profile (profile_links) read as servers whose GPUs share one NIC each: the
     paper's logical graph (make_cluster(nic_nodes=True)), so that the synthesizer sees that
     flows from two GPUs of one server cross the same NIC, which a pairwise profile cannot
     show (each pair was timed alone).
 
-    servers[r] is the server of rank r, numbered 0, 1, ... in rank order with the ranks of a
-    server next to each other (make_cluster numbers GPUs server by server, so node r stays
-    rank r; rank-ordered chains and trees then cross each NIC at most once each way, which
-    the cost model's routes need). A server's NIC rate is the fastest pair it took part in
-    (a pair runs at the slower of its two NICs, so only the fastest server's NIC is
-    underestimated, as the second fastest), taken for each direction apart (the NIC's send
-    side from the pairs it sends in, its receive side from those it receives in, so load on
-    one direction of a link shows on that side only); inside a server, the median of its
-    pairs; the wire's latency, the median over pairs between servers."""
-    servers = np.asarray([int(v) for v in servers])
+    servers[r] is the server of rank r (server_layout says how they are numbered); node r of
+    the result is rank r. A server's NIC rate is the fastest pair it took part in (a pair
+    runs at the slower of its two NICs, so only the fastest server's NIC is underestimated,
+    as the second fastest), taken for each direction apart (the NIC's send side from the
+    pairs it sends in, its receive side from those it receives in, so load on one direction
+    of a link shows on that side only); inside a server, the median of its pairs; the
+    wire's latency, the median over pairs between servers."""
+    servers = np.asarray(server_layout(servers))
     n = len(servers)
     if net.n != n or net.gpus() != list(range(n)):
         raise ValueError(f"servers: {n} entries for a profile of {net.n} nodes; give one "
                          "server per rank of a GPU-only profile (profile_links)")
-    if servers[0] != 0 or np.any(~np.isin(np.diff(servers), (0, 1))):
-        raise ValueError(f"servers {servers.tolist()}: number the servers 0, 1, ... in rank "
-                         "order, the ranks of one server next to each other (e.g. 0,0,1,1)")
     n_servers = int(servers[-1]) + 1
-    if n_servers < 2:
-        raise ValueError("servers: every rank is on one server; there is no NIC to model")
     gbps = 8.0 / (net.beta * 1e9)
     same = np.equal.outer(servers, servers) & ~np.eye(n, dtype=bool)
     cross = ~np.equal.outer(servers, servers)
     send = [float(gbps[servers == s][:, servers != s].max()) for s in range(n_servers)]
     receive = [float(gbps[servers != s][:, servers == s].max()) for s in range(n_servers)]
-    nic = [max(a, b) for a, b in zip(send, receive)]
     if same.any():
         inside, inside_alpha = float(np.median(gbps[same])), float(np.median(net.alpha[same]))
     else:
         # one GPU per server: the GPU-NIC hop is never what limits (PCIe, or the host)
-        inside, inside_alpha = 100.0 * max(nic), 0.0
+        inside, inside_alpha = 100.0 * max(send + receive), 0.0
     counts = [int((servers == s).sum()) for s in range(n_servers)]
-    cluster = make_cluster(counts, nic, nvlink_gbps=inside, nvlink_alpha=inside_alpha,
-                           net_alpha=float(np.median(net.alpha[cross])), nic_nodes=True)
-    for s in range(n_servers):            # each side of a NIC at its own direction's rate
-        tx, rx, out, inp = (cluster.names.index(f"s{s}nic.{side}") for side in NIC_SIDES)
-        cluster.beta[tx, out] = 8.0 / (send[s] * 1e9)
-        cluster.beta[inp, rx] = 8.0 / (receive[s] * 1e9)
-    return cluster
+    return make_cluster(counts, send, nvlink_gbps=inside, nvlink_alpha=inside_alpha,
+                        net_alpha=float(np.median(net.alpha[cross])), nic_nodes=True,
+                        nic_receive_gbps=receive)
 
 
 class PeriodicProfiler:

@@ -64,7 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from host.adapcc import strategies
 from host.adapcc.costmodel import evaluate, on_gpus
 from host.adapcc.executor import TreeExecutor
-from host.adapcc.profiler import profile_links, shared_nic_network
+from host.adapcc.profiler import profile_links, server_layout, shared_nic_network
 from host.adapcc.synthesizer import Synthesizer
 from host.netlab.background import mbit_to_pps, send_paced
 from host.experiments.common import load_digits_split, make_model
@@ -355,10 +355,7 @@ def _drive(tb, procs, sync: Path, change, deadline: float, background=None) -> N
 def _check_servers(servers, rates, delays, change, background=None) -> list[int]:
     """servers (None: one rank per host) against one rate and delay per server, and the
     hosts that change and background name; refused at set-up with what to change."""
-    servers = list(range(len(rates))) if servers is None else [int(v) for v in servers]
-    if servers[0] != 0 or any(b - a not in (0, 1) for a, b in zip(servers, servers[1:])):
-        raise ValueError(f"servers {servers}: number the servers 0, 1, ... in rank order, the "
-                         "ranks of one server next to each other (e.g. 0,0,1,1)")
+    servers = server_layout(range(len(rates)) if servers is None else servers)
     if servers[-1] + 1 != len(rates) or len(delays) != len(rates):
         raise ValueError(f"{servers[-1] + 1} servers need one rate and one delay each; got "
                          f"{len(rates)} rates and {len(delays)} delays")
