@@ -255,7 +255,7 @@ def run_speed(log2d=24, reps=5):
     out["fht_cpu"] = _speed_vs_fht_cpu(codec, x, max(reps, 7))
     out["error_feedback"] = _speed_error_feedback(codec, x, reps)
     if torch.cuda.is_available():
-        out["cuda"] = _speed_cuda(codec, ref, x, norms, reps)
+        out["cuda"] = _speed_cuda(codec, x, norms, reps)
     return out
 
 
@@ -371,7 +371,7 @@ def _speed_error_feedback(codec, x, reps):
             for r in rows]
 
 
-def _speed_cuda(codec, ref, x, norms, reps):
+def _speed_cuda(cpu_codec, x, norms, reps):
     """The same stages on the GPU: Numba CUDA kernels (thc/cuda_kernels.py) against the same
     algorithm in torch CUDA, and a worker's whole codec round per call with its host copies
     (the packed indices to the host for the network, the aggregated sums back), against a
@@ -380,7 +380,9 @@ def _speed_cuda(codec, ref, x, norms, reps):
     d = len(x)
     gbytes = 4 * d / 1e9
     reps = max(reps, 20)
-    codec = THCCodec(backend="cuda", partition_size=codec.partition_size, seed=codec.seed)
+    # the CPU codec's settings on the CUDA backend (the CPU one refuses CUDA tensors)
+    codec = THCCodec(backend="cuda", partition_size=cpu_codec.partition_size,
+                     seed=cpu_codec.seed)
     ref = TorchTHC(codec)
     xc = torch.from_numpy(x).cuda()
     norms_c = torch.from_numpy(norms).cuda()
