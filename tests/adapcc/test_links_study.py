@@ -94,14 +94,23 @@ def test_servers_are_refused_at_set_up_with_what_to_change():
 
 def test_background_load_during_the_run_keeps_every_strategy_exact():
     """Paced UDP from host 0 to host 1 from phase 1 on, no re-shape: the workers
-    re-profile and re-synthesize under the load and every strategy's sums stay exact."""
+    re-profile and re-synthesize under the load and every strategy's sums stay exact. Then
+    the paper's baseline for a changed strategy runs on the same links: the ranks checkpoint,
+    exit and are relaunched, and the relaunched ranks hold the saved model and optimizer."""
     from host.experiments.adapcc.links_study import run_study
     res = run_study(rates=(160, 160, 160, 40), delays=(0, 0, 0, 0), mb=0.5, reps=2,
                     change=None, background=(0, 1, 100), milp_seconds=5, timeout=240,
-                    train_steps=0, hidden=32)
+                    train_steps=0, hidden=32, restart=True)
     assert res["background"] == [0, 1, 100] and res["change"] is None
     assert res["rates_mbit"][0] == res["rates_mbit"][1] == [160, 160, 160, 40]
     for phase in res["phases"]:
         assert all(row["exact"] for row in phase["rows"].values()), phase["rows"]
+        # reconstruction in place covers the profile and the solve
+        assert phase["reconstruction_s"] >= phase["profile_s"] > 0
+    restart = res["restart"]
+    assert restart["restored"], restart
+    # the relaunch is timed from the decision: the checkpoint, the process group, the load
+    assert 0 < restart["checkpoint_s"] < restart["process_group_s"] <= restart["relaunch_s"]
+    assert restart["relaunch_s"] < restart["relaunch_and_plan_s"]
     with pytest.raises(ValueError, match="SRC:DST:MBIT"):
         run_study(rates=(160, 160), delays=(0, 0), background=(0, 0, 10))

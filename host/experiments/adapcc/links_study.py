@@ -2,7 +2,7 @@
 
     python -m host.experiments.adapcc.links_study [--json FILE] [--rates 200,200,100,50]
         [--delays 0,1,2,4] [--mb 4] [--reps 3] [--change 0:30|none] [--m 1]
-        [--servers 0,0,1,1] [--background SRC:DST:MBIT]
+        [--servers 0,0,1,1] [--background SRC:DST:MBIT] [--restart]
 
 Four worker processes, each in its own network namespace of the lab (host.netlab.topology,
 bridge layout) on links of different rates (and latencies, where the kernel has netem), form
@@ -35,6 +35,11 @@ delays are then not applied, and the JSON says so (``netem``, ``delays_ms``).
 ``--background src:dst:mbit`` starts paced UDP from host src to host dst when phase 1
 begins (before its profile), so the other traffic on the links changes during the run, with
 or without a re-shape (``--change none``).
+
+``--restart`` then times the paper's baseline for changing a strategy (Fig. 19c) on the
+same links: rank 0 checkpoints the main job's model and optimizer, every rank exits, and
+the parent relaunches the ranks, which join a new process group, load the checkpoint and
+(as a job planning afresh) profile and solve; against phase 1's reconstruction in place.
 
 ``--servers`` emulates servers with several GPUs: servers[r] is rank r's server, each server
 one namespace with one shaped link (its NIC, --rates and --delays per server), so the ranks
@@ -159,11 +164,7 @@ def _describe(strategy) -> list[dict]:
 def _time_phase(executors: dict, picks: dict, world: int, numel: int, reps: int) -> dict:
     """Per candidate: this rank's seconds per rep, and whether every result was exact."""
     rank = dist.get_rank()
-    for name, pick in picks.items():         # re-synthesis: same executors, no restart
-        if name in executors:
-            executors[name].set_strategy(pick)
-        else:
-            executors[name] = TreeExecutor(pick)
+    _install(executors, picks)               # re-synthesis: same executors, no restart
     cands = _candidates(world, numel * 4, picks)
     runners = {name: executors.get(name) or (TreeExecutor(s) if s is not None else None)
                for name, s in cands.items()}
@@ -238,20 +239,22 @@ def worker(args) -> None:
                             world_size=args.world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     numel = int(args.mb * (1 << 20)) // 4
-    profile_kwargs = dict(sizes=tuple(int(1024 * kb) for kb in args.profile_kb), counts=(1, 4),
-                          repeats=args.profile_repeats)
-    # every phase re-synthesizes; a profile within 5 % is noise, so modelled times within 5 %
-    # are a tie, which the fewest flows into one node breaks (Synthesizer's docstring)
-    synth = Synthesizer("allreduce", numel * 4, m=args.m, time_limit=args.milp_seconds,
-                        change_tolerance=0.0, tie_tolerance=0.05)
+    profile_kwargs = _profile_kwargs(args)
+    synth = _synthesizer(args, numel * 4)
     executors = {}
     phases = []
     for phase in range(2):
         if phase and args.rank == 0:
             _wait_for_parent(Path(args.sync), phase)
         dist.barrier()
+        started = time.perf_counter()
         picks, info = _synthesize(synth, args.world, numel * 4, profile_kwargs,
                                   args.servers, args.pairwise_model)
+        _install(executors, picks)
+        dist.barrier()
+        # AdapCC's reconstruction, in place: profile, solve, set up the new strategy's
+        # contexts, every rank ready (Fig. 19c's "profile + solve + context setup")
+        info["reconstruction_s"] = time.perf_counter() - started
         phases.append(dict(info, **_time_phase(executors, picks, args.world, numel,
                                                args.reps)))
         if args.train_steps:
@@ -261,6 +264,90 @@ def worker(args) -> None:
     dist.gather_object(phases, gathered, dst=0)
     if args.rank == 0:
         Path(args.out).write_text(json.dumps(gathered))
+    if args.restart:
+        _checkpoint_for_restart(args)
+    dist.destroy_process_group()
+
+
+def _profile_kwargs(args) -> dict:
+    return dict(sizes=tuple(int(1024 * kb) for kb in args.profile_kb), counts=(1, 4),
+                repeats=args.profile_repeats)
+
+
+def _synthesizer(args, nbytes: int) -> Synthesizer:
+    # every phase re-synthesizes; a profile within 5 % is noise, so modelled times within 5 %
+    # are a tie, which the fewest flows into one node breaks (Synthesizer's docstring)
+    grouped = _grouped(args.servers) and not args.pairwise_model
+    servers = [[r for r in range(args.world) if args.servers[r] == s]
+               for s in sorted(set(args.servers))] if grouped else None
+    return Synthesizer("allreduce", nbytes, m=args.m, time_limit=args.milp_seconds,
+                       change_tolerance=0.0, tie_tolerance=0.05, servers=servers)
+
+
+def _install(executors: dict, picks: dict) -> None:
+    """The picks' executors: re-synthesis switches the strategy of the same executor."""
+    for name, pick in picks.items():
+        if name in executors:
+            executors[name].set_strategy(pick)
+        else:
+            executors[name] = TreeExecutor(pick)
+
+
+# --------------------------------------------------------------------------- the restart baseline
+
+def _training_state(hidden: int):
+    """The main job's model and its optimizer after one step (so that the optimizer has its
+    momentum buffers): what a restart must carry across."""
+    torch.manual_seed(0)
+    model = make_model(hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    (xtr, ytr), _ = load_digits_split(0)
+    F.cross_entropy(model(torch.from_numpy(xtr[:32])), torch.from_numpy(ytr[:32])).backward()
+    opt.step()
+    return model, opt
+
+
+def _checkpoint_for_restart(args) -> None:
+    """What the paper's baseline does instead of reconstructing: the job decides to restart,
+    rank 0 writes a checkpoint, every rank leaves; the parent relaunches (resumed_worker)."""
+    model, opt = _training_state(args.hidden)
+    dist.barrier()
+    if args.rank == 0:
+        decided = time.time()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   Path(args.sync) / "checkpoint.pt")
+        (Path(args.sync) / "restart.json").write_text(json.dumps({
+            "decided": decided, "checkpoint_s": time.time() - decided,
+            "param_sum": float(sum(p.double().sum() for p in model.parameters()))}))
+    dist.barrier()
+
+
+def resumed_worker(args) -> None:
+    """A relaunched rank: joins a new process group on the same links, loads the checkpoint,
+    then (as a job that plans its collectives afresh must) profiles and synthesizes."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank,
+                            world_size=args.world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    joined = time.time()
+    state = torch.load(Path(args.sync) / "checkpoint.pt", weights_only=True)
+    model = make_model(args.hidden)
+    model.load_state_dict(state["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt.load_state_dict(state["optimizer"])
+    DDP(model)                               # DDP's own set-up: it broadcasts rank 0's weights
+    dist.barrier()
+    ready = time.time()
+    numel = int(args.mb * (1 << 20)) // 4
+    profile_kwargs = _profile_kwargs(args)
+    _install({}, _synthesize(_synthesizer(args, numel * 4), args.world, numel * 4,
+                             profile_kwargs, args.servers, args.pairwise_model)[0])
+    dist.barrier()
+    if args.rank == 0:
+        Path(args.out).write_text(json.dumps({
+            "joined": joined, "ready": ready, "planned": time.time(),
+            "param_sum": float(sum(p.double().sum() for p in model.parameters())),
+            "momentum_buffers": len(opt.state_dict()["state"])}))
     dist.destroy_process_group()
 
 
@@ -301,16 +388,20 @@ def _summarise_training(per_rank: list[dict]) -> dict:
             "max_param_diff": max(r["max_param_diff"] for r in per_rank)}
 
 
-def _spawn(tb, args, sync: Path, out: Path) -> list[subprocess.Popen]:
+def _spawn(tb, args, sync: Path, out: Path, resume: bool = False) -> list[subprocess.Popen]:
+    """The ranks, one process each in its server's namespace: the study's workers, or
+    (resume) the relaunched ranks of the restart baseline, on a port of their own."""
     from host.netlab.aggregators import python_env
     env = python_env(GLOO_SOCKET_IFNAME="eth0")
     procs = []
+    role = ["--resume"] if resume else ["--worker"] + (["--restart"] if args.restart else [])
+    port = GLOO_PORT + 1 if resume else GLOO_PORT
     for rank in range(args.world):
-        argv = [sys.executable, "-m", "host.experiments.adapcc.links_study", "--worker",
+        argv = [sys.executable, "-m", "host.experiments.adapcc.links_study", *role,
                 "--rank", str(rank), "--world", str(args.world),
                 "--servers", ",".join(map(str, args.servers)),
                 *(["--pairwise-model"] if args.pairwise_model else []),
-                "--master", f"{tb.host_ip(0)}:{GLOO_PORT}", "--sync", str(sync),
+                "--master", f"{tb.host_ip(0)}:{port}", "--sync", str(sync),
                 "--out", str(out), "--mb", str(args.mb), "--reps", str(args.reps),
                 "--m", str(args.m), "--milp-seconds", str(args.milp_seconds),
                 "--profile-repeats", str(args.profile_repeats), "--timeout", str(args.timeout),
@@ -369,16 +460,50 @@ def _check_servers(servers, rates, delays, change, background=None) -> list[int]
     return servers
 
 
+def _finish(procs, what: str) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    logs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"links_study {what} failed:\n" + "\n".join(
+            (log or "")[-2000:] for log in logs))
+
+
+def _restart_baseline(tb, args, sync: Path, deadline: float) -> dict:
+    """Relaunch the ranks from the checkpoint the study's workers left (restart.json says
+    when they decided to restart) and time it; the study's workers have exited."""
+    decided = json.loads((sync / "restart.json").read_text())
+    out = sync / "resumed.json"
+    procs = _spawn(tb, args, sync, out, resume=True)
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.time() > deadline:
+                raise TimeoutError("the relaunched ranks did not finish in time")
+            time.sleep(0.05)
+    finally:
+        _finish(procs, "relaunched ranks")
+    resumed = json.loads(out.read_text())
+    return {"checkpoint_s": decided["checkpoint_s"],
+            # terminate + checkpoint + relaunch (processes, imports, process group, load)
+            "relaunch_s": resumed["ready"] - decided["decided"],
+            "process_group_s": resumed["joined"] - decided["decided"],
+            "relaunch_and_plan_s": resumed["planned"] - decided["decided"],
+            "restored": abs(resumed["param_sum"] - decided["param_sum"]) < 1e-9
+            and resumed["momentum_buffers"] > 0}
+
+
 def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, reps: int = 3,
               change=(0, 30), m: int = 1, milp_seconds: float = 10.0, profile_repeats: int = 1,
               timeout: float = 600.0, profile_kb=PROFILE_KB, train_steps: int = 0,
               hidden: int = 256, servers=None, pairwise_model: bool = False,
-              background=None) -> dict:
+              background=None, restart: bool = False) -> dict:
     """Both phases on one topology; returns {"phases": [summary, summary], ...}. rates,
     delays and change are per server (per rank without servers); pairwise_model: plan on the
     pairwise profile even where servers share a NIC (the model without NIC nodes);
     background: (src, dst, mbit) of paced UDP load from phase 1 on (None: none); change:
-    None for no re-shape."""
+    None for no re-shape; restart: after the phases, also time the paper's baseline for a
+    changed strategy, checkpoint, terminate and relaunch on the same links ("restart")."""
     from host.netlab.links import netem_available
     from host.netlab.topology import Topology
     servers = _check_servers(servers, rates, delays, change, background)
@@ -388,7 +513,7 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
                               pairwise_model=pairwise_model, mb=mb, reps=reps, m=m,
                               milp_seconds=milp_seconds, profile_repeats=profile_repeats,
                               timeout=int(timeout), profile_kb=list(profile_kb),
-                              train_steps=train_steps, hidden=hidden)
+                              train_steps=train_steps, hidden=hidden, restart=restart)
     load_before = os.getloadavg()
     started = time.time()
     with Topology(len(rates), list(rates), delay_ms=applied) as tb, \
@@ -398,14 +523,9 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
         try:
             _drive(tb, procs, sync, change, started + timeout, background)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            logs = [p.communicate()[0] for p in procs]
-        if any(p.returncode for p in procs) or not out.exists():
-            raise RuntimeError("links_study workers failed:\n" + "\n".join(
-                (log or "")[-2000:] for log in logs))
+            _finish(procs, "workers")
         per_rank = json.loads(out.read_text())
+        relaunch = _restart_baseline(tb, args, sync, started + timeout) if restart else None
         qdisc = tb.qdisc
     rates_after = list(rates)
     if change is not None:
@@ -419,7 +539,8 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
             "profile_kb": list(profile_kb), "train_steps": train_steps, "hidden": hidden,
             "load_average_before": list(load_before), "load_average_after":
             list(os.getloadavg()), "cpus": os.cpu_count(), "wall_s": time.time() - started,
-            "phases": [_summarise(per_rank, p) for p in range(2)]}
+            "phases": [_summarise(per_rank, p) for p in range(2)],
+            "restart": relaunch}
 
 
 def print_table(res: dict) -> None:
@@ -430,7 +551,8 @@ def print_table(res: dict) -> None:
         print(f"\nphase {p}: {links} {rates} Mbit/s, delays "
               f"{'/'.join(f'{d:g}' for d in res['delays_ms'])} ms, {res['tensor_mb']:g} MB "
               f"float32, median of {res['reps']}; profile {phase['profile_s']:.1f} s, "
-              f"synthesis {phase['synthesis_s']:.1f} s")
+              f"synthesis {phase['synthesis_s']:.1f} s, reconstruction "
+              f"{phase['reconstruction_s']:.1f} s")
         if p and res.get("background"):
             src, dst, mbit = res["background"]
             print(f"background load: {mbit:g} Mbit/s of UDP from host {src} to host {dst}")
@@ -448,6 +570,14 @@ def print_table(res: dict) -> None:
                       f"{name} {ms:.0f} ms/step" for name, ms in t["step_ms"].items())
                   + f"; synthesized {t['synthesized_speedup']:.2f}x gloo; largest parameter "
                   f"difference {t['max_param_diff']:.1e}")
+    if res.get("restart"):
+        r, rebuilt = res["restart"], res["phases"][1]["reconstruction_s"]
+        print(f"\nchanging the strategy, phase 1: reconstruction in place (profile, solve, "
+              f"set up) {rebuilt:.2f} s; checkpoint, terminate and relaunch {r['relaunch_s']:.2f} s "
+              f"(of which the checkpoint {r['checkpoint_s']:.2f} s; process group up after "
+              f"{r['process_group_s']:.2f} s), {r['relaunch_and_plan_s']:.2f} s with its own "
+              f"profile and solve; reconstruction saves {100 * (1 - rebuilt / r['relaunch_s']):.0f} %"
+              f" of the relaunch; state restored: {r['restored']}")
     print(f"\nload average before {res['load_average_before']}, after "
           f"{res['load_average_after']} ({res['cpus']} CPUs); qdisc {res['qdisc']}"
           + ("" if res["netem"] else " (no netem in this kernel: latencies not shaped)"))
@@ -488,13 +618,20 @@ def main():
     ap.add_argument("--train-steps", type=int, default=20,
                     help="steps of the main job's model per phase and collective (0: none)")
     ap.add_argument("--hidden", type=int, default=256, help="the model's hidden width")
-    # worker mode (started by the parent inside a host namespace)
+    ap.add_argument("--restart", action="store_true",
+                    help="after the phases, also time a checkpoint, terminate and relaunch "
+                         "of the ranks on the same links (the paper's baseline for AdapCC's "
+                         "in-place reconstruction, Fig. 19c)")
+    # worker modes (started by the parent inside a host namespace)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     for name in ("--rank", "--world"):
         ap.add_argument(name, type=int, help=argparse.SUPPRESS)
     for name in ("--master", "--sync", "--out"):
         ap.add_argument(name, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.resume:
+        return resumed_worker(args)
     if args.worker:
         return worker(args)
     change = None
@@ -511,7 +648,7 @@ def main():
         res = run_study(args.rates, args.delays, args.mb, args.reps, change,
                         args.m, args.milp_seconds, args.profile_repeats, args.timeout,
                         args.profile_kb, args.train_steps, args.hidden, args.servers,
-                        args.pairwise_model, background)
+                        args.pairwise_model, background, args.restart)
     except ValueError as exc:
         ap.error(str(exc))
     print_table(res)
