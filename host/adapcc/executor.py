@@ -9,8 +9,10 @@ so no rank can block on a step another rank has not reached: no deadlock for any
 Relays (phase 1): ``active`` names the ranks that add their tensor.  The behaviour tuple
 <isActive, hasRecv, hasKernel, hasSend> (AdapCC Fig. 7) decides per rank and sub-collective who
 receives, adds and sends; subtrees with no active rank send nothing and nobody waits for them.
-Phase 2 (``allreduce_two_phase``) runs the late ranks' data as a second collective and adds it,
-so the result equals the full sum.
+A relay whose own tensor becomes ready during phase 1 (``join``) adds it to the chunks it
+still carries from then on, as the paper's late relays join "at the chunk offset".  Phase 2
+(``allreduce_two_phase``) then runs only the chunks some late rank's data missed, each late rank
+adding only its missed chunks, and adds them in, so the result equals the full sum.
 """
 from __future__ import annotations
 
@@ -107,36 +109,65 @@ class TreeExecutor:
     def _tag(self, stage: int, m: int, c: int) -> int:
         return (stage * 64 + m) * 100000 + c
 
-    def run(self, tensor: torch.Tensor, active: set[int] | None = None) -> torch.Tensor:
+    def steps(self, numel: int) -> list[tuple[int, int, int, int]]:
+        """(chunk c, sub-collective m, lo, hi) of a tensor of numel elements, in the order
+        every rank walks them."""
+        parts = partitions(self.strategy, numel)
+        max_chunks = max(math.ceil(length / chunk) if length else 0 for _, length, chunk in parts)
+        out = []
+        for c in range(max_chunks):
+            for m, (offset, length, chunk) in enumerate(parts):
+                lo = offset + c * chunk
+                hi = min(offset + length, lo + chunk)
+                if lo < hi:
+                    out.append((c, m, lo, hi))
+        return out
+
+    def run(self, tensor: torch.Tensor, active: set[int] | None = None, *,
+            join=None, only=None) -> torch.Tensor:
         """Collective on a flat contiguous tensor; returns the result (input left untouched).
 
         Reduce: the root of each partition holds that partition's sum over ``active`` ranks.
         Broadcast: every rank gets the root's partitions.  AllReduce: every rank gets the sum.
+
+        join (a relay's own): called with each chunk index before its Reduce steps; from the
+        first True on, the relay's tensor is ready and it adds it to every chunk it carries
+        (it forwards data up, or is the root).  ``self.carried`` is then the (c, m) steps that
+        took this rank's data.  only: run just these (c, m) steps, the same set on every rank
+        (phase 2); the result's other elements are unspecified.
         """
         if tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError("the executor works on flat contiguous tensors (use .view(-1))")
         active = set(range(self.world)) if active is None else set(active)
         prim = self.strategy.primitive
         result = tensor.clone()
-        if prim != "broadcast" and self.rank not in active:
+        mine = self.rank in active
+        if prim != "broadcast" and not mine:
             result.zero_()                              # relays forward without adding their data
-        parts = partitions(self.strategy, tensor.numel())
-        beh = [behaviours(self.strategy, m, active, self.world) for m in range(len(parts))]
-        pending = []
-        max_chunks = max(math.ceil(length / chunk) if length else 0 for _, length, chunk in parts)
-        for c in range(max_chunks):
-            for m, (offset, length, chunk) in enumerate(parts):
-                lo = offset + c * chunk
-                hi = min(offset + length, lo + chunk)
-                if lo >= hi:
-                    continue
-                if prim in ("reduce", "allreduce"):
-                    self._reduce_step(result, lo, hi, m, c, beh[m], pending)
-                if prim in ("broadcast", "allreduce"):
-                    self._broadcast_step(result, lo, hi, m, c, pending)
+        beh = [behaviours(self.strategy, m, active, self.world)
+               for m in range(len(self.strategy.subs))]
+        pending, joined, self.carried = [], False, set()
+        for c, m, lo, hi in self.steps(tensor.numel()):
+            if only is not None and (c, m) not in only:
+                continue
+            if prim in ("reduce", "allreduce"):
+                joined = joined or (join is not None and not mine and join(c))
+                if mine:
+                    self.carried.add((c, m))
+                elif joined and self._carries(beh[m], m):
+                    result[lo:hi] = tensor[lo:hi]      # a late relay joins at this chunk
+                    self.carried.add((c, m))
+                self._reduce_step(result, lo, hi, m, c, beh[m], pending)
+            if prim in ("broadcast", "allreduce"):
+                self._broadcast_step(result, lo, hi, m, c, pending)
         for work, _ in pending:
             work.wait()
         return result
+
+    def _carries(self, beh: dict[int, Behaviour], m: int) -> bool:
+        """This rank's data can ride sub-collective m's Reduce without a new message: it
+        sends to its parent anyway, or it is where the sum ends."""
+        return beh[self.rank].has_send or self.rank == self.strategy.subs[m].root
 
     def _reduce_step(self, result, lo, hi, m, c, beh, pending):
         parent, children = self.links[m]
@@ -165,12 +196,36 @@ class TreeExecutor:
             pending.append((dist.isend(buf, dst=ch, group=self.group, tag=self._tag(1, m, c)), buf))
 
 
-def allreduce_two_phase(executor: TreeExecutor, tensor: torch.Tensor, ready: set[int]) -> torch.Tensor:
-    """Phase 1 among ``ready`` (others relay), phase 2 adds the late ranks' data: the full sum."""
+def allreduce_two_phase(executor: TreeExecutor, tensor: torch.Tensor, ready: set[int],
+                        join=None) -> torch.Tensor:
+    """Phase 1 among ``ready`` (others relay; join: this rank's, see ``TreeExecutor.run``),
+    phase 2 adds what phase 1 missed of the late ranks' data: the full sum on every rank.
+
+    The ranks agree on the missed steps with one small all_reduce (a flag per chunk step);
+    phase 2 runs only those steps, each late rank adding only the steps its data missed.
+    ``executor.phase2_steps`` is (steps run in phase 2, steps of the tensor)."""
     if executor.strategy.primitive != "allreduce":
         raise ValueError("two-phase aggregation needs an allreduce strategy")
-    phase1 = executor.run(tensor, active=ready)
+    phase1 = executor.run(tensor, active=ready, join=join)
     late = set(range(executor.world)) - set(ready)
+    steps = executor.steps(tensor.numel())
+    executor.phase2_steps = (0, len(steps))
     if not late:
         return phase1
-    return phase1 + executor.run(tensor, active=late)
+    missed = torch.tensor([executor.rank in late and (c, m) not in executor.carried
+                           for c, m, _, _ in steps], dtype=torch.int32)
+    needed = missed.clone()
+    dist.all_reduce(needed, group=executor.group)
+    only = {(c, m) for (c, m, _, _), n in zip(steps, needed.tolist()) if n}
+    executor.phase2_steps = (len(only), len(steps))
+    if not only:
+        return phase1
+    own = torch.zeros_like(tensor)
+    for (c, m, lo, hi), mine in zip(steps, missed.tolist()):
+        if mine:
+            own[lo:hi] = tensor[lo:hi]
+    phase2 = executor.run(own, active=late, only=only)
+    for c, m, lo, hi in steps:
+        if (c, m) in only:
+            phase1[lo:hi] += phase2[lo:hi]
+    return phase1

@@ -78,8 +78,13 @@ def test_gloo_end_to_end(gloo_results):
         assert "error" not in res, res
         for key in ("allreduce_int_exact", "allreduce_float_close", "broadcast_exact",
                     "phase1_ready_sum_exact", "two_phase_full_sum_exact", "fig6_phase1_3_full_4",
-                    "switched_strategy_close", "periodic_profile"):
+                    "switched_strategy_close", "periodic_profile", "late_relay_joins_exact",
+                    "late_leaf_exact"):
             assert res[key] is True, (rank, key)
+        # rank 2 relays rank 3's data in phase 1 and joins from chunk 2 on: phase 2 runs
+        # only chunks 0 and 1 of 6; the chain's leaf carries nothing, so it misses all 6
+        assert res["late_relay_phase2_steps"] == [2, 6], (rank, res)
+        assert res["late_leaf_phase2_steps"] == [6, 6], (rank, res)
     assert gloo_results[2]["reduce_root_exact"] is True
     prof = gloo_results[0]
     assert len(prof["gbps"]) == 12 and all(g > 0 and np.isfinite(g) for g in prof["gbps"])

@@ -78,6 +78,19 @@ def _scenarios(rank: int, world: int) -> dict:
     ones = ex.run(torch.ones(NUMEL, dtype=torch.int64), active=ready)   # Fig. 6: 4 workers of 1
     full_ones = allreduce_two_phase(ex, torch.ones(NUMEL, dtype=torch.int64), ready)
     out["fig6_phase1_3_full_4"] = bool(torch.all(ones == world - 1) and torch.all(full_ones == world))
+    # a late relay joins phase 1 at a chunk offset; phase 2 runs only what it missed
+    chain = TreeExecutor(strategies.ring(strategies.make_uniform_network(world), "allreduce", 0,
+                                         NUMEL * 8, n_chunks=6, m=1))     # 3 -> 2 -> 1 -> 0
+    late_inner = {r for r in everyone if r != 2}       # rank 2 forwards rank 3's data
+    full = allreduce_two_phase(chain, _local(rank, torch.int64), late_inner,
+                               join=(lambda c: c >= 2) if rank == 2 else None)
+    out["late_relay_joins_exact"] = bool(torch.equal(full, _expected(everyone, torch.int64)))
+    out["late_relay_phase2_steps"] = list(chain.phase2_steps)
+    late_leaf = {r for r in everyone if r != world - 1}   # the chain's leaf carries nothing
+    full = allreduce_two_phase(chain, _local(rank, torch.int64), late_leaf,
+                               join=(lambda c: True) if rank == world - 1 else None)
+    out["late_leaf_exact"] = bool(torch.equal(full, _expected(everyone, torch.int64)))
+    out["late_leaf_phase2_steps"] = list(chain.phase2_steps)
     # switch strategy mid-run without restarting the process group
     ex.set_strategy(strategies.binary_tree(proto, "allreduce", 0, NUMEL * 8, n_chunks=7, m=4))
     got = ex.run(_local(rank, torch.float64))
