@@ -13,6 +13,11 @@ nodes as Steiner nodes, S split evenly over the M sub-collectives.  Enumerated:
 
 Each candidate is scored with ``costmodel.evaluate``, so the optimum found is the cost model's own.
 The count grows fast: keep to 3-4 GPUs, one aggregator, M <= 2 (NIC relays only with M = 1).
+
+``exhaustive_split`` lifts one restriction on top, for M = 2: S_m is a decision, the first
+sub-collective's share on a grid of k / steps, each sub-collective with its own chunk count
+(the paper's S_m and C_m), so the even split's optimum can be compared with the program that
+decides it.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class ExhaustiveResult:
     time: float                       # seconds, evaluate's value
     n_chunks: tuple[int, ...]         # per sub-collective
     evaluated: int                    # candidates scored
+    shares: tuple[float, ...] = ()    # S_m / S per sub-collective (exhaustive_split)
 
 
 def _paths_into(net: Network, start: int, tree: set[int]) -> list[list[int]]:
@@ -121,5 +127,31 @@ def exhaustive(net: Network, primitive: str, total_bytes: float, m: int = 1,
         evaluated += 1
         if best is None or t < best.time:
             best = ExhaustiveResult(strategy, t, tuple(c for _, c in pick), 0)
+    best.evaluated = evaluated
+    return best
+
+
+def exhaustive_split(net: Network, primitive: str, total_bytes: float, root: int | None = None,
+                     steps: int = 8, chunk_counts=CHUNK_COUNTS,
+                     forwarding: bool = True) -> ExhaustiveResult:
+    """The cheapest M = 2 strategy when the split is decided too: sub-collective 0 moves
+    k / steps of S (k = 1 .. steps / 2; the rest is the mirror image), sub-collective 1 the
+    rest, each with any tree, aggregation set and chunk count."""
+    shapes = sub_collective_shapes(net, primitive, root, forwarding)
+    options = [(shape, count) for shape in shapes for count in chunk_counts]
+    best, evaluated = None, 0
+    for k in range(1, steps // 2 + 1):
+        sizes = (total_bytes * k / steps, total_bytes * (steps - k) / steps)
+        pairs = (itertools.combinations_with_replacement(options, 2) if 2 * k == steps
+                 else itertools.product(options, repeat=2))
+        for pick in pairs:
+            subs = [SubCollective(r, size, size / count, routes, aggregate)
+                    for ((r, routes, aggregate), count), size in zip(pick, sizes)]
+            t = evaluate(net, Strategy(primitive, subs)).time
+            evaluated += 1
+            if best is None or t < best.time:
+                best = ExhaustiveResult(Strategy(primitive, subs), t,
+                                        tuple(c for _, c in pick), 0,
+                                        tuple(size / total_bytes for size in sizes))
     best.evaluated = evaluated
     return best

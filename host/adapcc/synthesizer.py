@@ -10,8 +10,9 @@ with ``chunk_per_sub`` one per sub-collective, the paper's C_m).  Its objective 
 against an exhaustive search on tiny graphs, ``exhaustive.py``).
 
 Restrictions kept (docs/adapcc.md, "MILP family"): one tree per sub-collective (the paper routes
-each flow with its own x^f), S split evenly over the M sub-collectives, chunk counts from a list,
-Eq. 5 as written.  The root always aggregates (it has no successor to forward to), ``nic`` relays
+each flow with its own x^f), S split evenly over the M sub-collectives (for M = 2, ``split_steps``
+decides the split on a grid instead, one MILP per split), chunk counts from a list, Eq. 5 as
+written.  The root always aggregates (it has no successor to forward to), ``nic`` relays
 never do (a = 0 forced), a node without children has nothing to aggregate (a = 0), and a
 Broadcast aggregates nowhere (the paper's a = 0 for primitives without aggregation).
 
@@ -61,6 +62,7 @@ class MilpResult:
     n_chunks: int | tuple[int, ...]   # shared by the sub-collectives, or one each
     solve_seconds: float
     optimal: bool
+    shares: tuple[float, ...] = ()    # S_m / S per sub-collective
 
 
 class _Model:
@@ -110,7 +112,8 @@ class _TreeMilp:
     """Variables and constraint rows of the tree MILP for fixed chunk counts (module doc)."""
 
     def __init__(self, net: Network, primitive: str, total_bytes: float, m: int,
-                 n_chunks: int | tuple[int, ...], root: int | None, forwarding: bool = True):
+                 n_chunks: int | tuple[int, ...], root: int | None, forwarding: bool = True,
+                 shares: tuple[float, ...] | None = None):
         self.net, self.primitive, self.m, self.root = net, primitive, m, root
         self.counts = tuple(n_chunks) if isinstance(n_chunks, (tuple, list)) else (n_chunks,) * m
         if len(self.counts) != m:
@@ -121,8 +124,11 @@ class _TreeMilp:
         # a Broadcast has nothing to aggregate (the paper's a = 0), so a is decided only when the
         # primitive has a Reduce stage
         self.decides = forwarding and primitive != "broadcast"
-        self.size = total_bytes / m
-        self.chunks = [self.size / count for count in self.counts]
+        self.shares = tuple(shares) if shares is not None else (1.0 / m,) * m
+        if len(self.shares) != m or abs(sum(self.shares) - 1) > 1e-9 or min(self.shares) <= 0:
+            raise ValueError(f"shares: give {m} positive shares of S that sum to 1, got {shares}")
+        self.sizes = [total_bytes * share for share in self.shares]
+        self.chunks = [size / count for size, count in zip(self.sizes, self.counts)]
         # an edge may carry every GPU's flow behind a relay or a forwarding node
         self.per_tree = len(self.gpus) if (self.relays or self.decides) else 1
         lmax = m * self.per_tree * (2 if primitive == "allreduce" else 1)
@@ -436,7 +442,7 @@ class _TreeMilp:
             routes = {g: p for g, p in tree_routes(parent, tree_root).items() if g in self.gpus}
             if self.primitive == "broadcast":
                 routes = {g: self.net.reverse_route(p) for g, p in routes.items()}
-            subs.append(SubCollective(tree_root, self.size, self.chunks[k], routes,
+            subs.append(SubCollective(tree_root, self.sizes[k], self.chunks[k], routes,
                                       self.aggregating(x, k)))
         return Strategy(self.primitive, subs)
 
@@ -451,22 +457,24 @@ class _TreeMilp:
 
 def solve_milp(net: Network, primitive: str, total_bytes: float, m: int = 1,
                n_chunks: int | tuple[int, ...] = 4, root: int | None = None,
-               time_limit: float = 20.0, forwarding: bool = True) -> MilpResult | None:
+               time_limit: float = 20.0, forwarding: bool = True,
+               shares: tuple[float, ...] | None = None) -> MilpResult | None:
     """Optimal trees and aggregation flags for fixed chunk counts (one shared count, or a tuple
-    with one per sub-collective); ``root=None`` lets the solver choose each root;
-    ``forwarding=False`` forces a = 1 at every gpu/agg node (the older family)."""
+    with one per sub-collective) and a fixed split (shares of S, default even); ``root=None``
+    lets the solver choose each root; ``forwarding=False`` forces a = 1 at every gpu/agg node
+    (the older family)."""
     if primitive not in ("reduce", "broadcast", "allreduce"):
         raise ValueError(f"MILP primitive {primitive!r} unsupported")
     if root is not None and root not in net.gpus():
         raise ValueError(f"root {root} is not a GPU node")
-    model = _TreeMilp(net, primitive, total_bytes, m, n_chunks, root, forwarding).build()
+    model = _TreeMilp(net, primitive, total_bytes, m, n_chunks, root, forwarding, shares).build()
     started = time.perf_counter()
     res = model.md.solve(model.total, time_limit)
     elapsed = time.perf_counter() - started
     if res.x is None:
         return None
     return MilpResult(model.strategy(res.x), res.fun / model.scale, n_chunks, elapsed,
-                      res.status == 0)
+                      res.status == 0, model.shares)
 
 
 CHUNK_COUNTS = (1, 2, 4, 8, 16, 32)
@@ -480,13 +488,34 @@ def chunk_choices(m: int, chunk_counts=CHUNK_COUNTS, chunk_per_sub: bool = False
     return list(itertools.combinations_with_replacement(sorted(chunk_counts), m))
 
 
+def split_choices(m: int, steps: int | None, chunk_counts=CHUNK_COUNTS,
+                  chunk_per_sub: bool = False) -> list:
+    """(shares, counts) to solve for: the even split with chunk_choices, or (``steps``, M = 2)
+    every split k / steps of S, k = 1 .. steps / 2 (the rest mirror these), with the counts
+    in both orders where the shares differ."""
+    if steps is None:
+        return [(None, counts) for counts in chunk_choices(m, chunk_counts, chunk_per_sub)]
+    if m != 2 or steps < 2:
+        raise ValueError(f"split_steps decides the split of M = 2 on a grid of >= 2 steps; "
+                         f"got M = {m}, steps = {steps}")
+    out = []
+    for k in range(1, steps // 2 + 1):
+        shares = (k / steps, 1 - k / steps)
+        counts = (chunk_choices(m, chunk_counts, chunk_per_sub) if 2 * k == steps or
+                  not chunk_per_sub else itertools.product(sorted(chunk_counts), repeat=2))
+        out += [(shares, c) for c in counts]
+    return out
+
+
 def optimize(net: Network, primitive: str, total_bytes: float, m: int = 1, root: int | None = None,
              chunk_counts=CHUNK_COUNTS, time_limit: float = 20.0, forwarding: bool = True,
-             chunk_per_sub: bool = False) -> MilpResult:
-    """Best MILP strategy over the candidate chunk counts (one MILP per choice)."""
+             chunk_per_sub: bool = False, split_steps: int | None = None) -> MilpResult:
+    """Best MILP strategy over the candidate chunk counts (one MILP per choice) and, with
+    split_steps (M = 2), over the splits of S on that grid."""
     best = None
-    for counts in chunk_choices(m, chunk_counts, chunk_per_sub):
-        result = solve_milp(net, primitive, total_bytes, m, counts, root, time_limit, forwarding)
+    for shares, counts in split_choices(m, split_steps, chunk_counts, chunk_per_sub):
+        result = solve_milp(net, primitive, total_bytes, m, counts, root, time_limit, forwarding,
+                            shares)
         if result is not None and (best is None or result.objective < best.objective):
             best = result
     if best is None:

@@ -6,7 +6,7 @@ import pytest
 
 from host.adapcc.costmodel import (Network, Strategy, SubCollective, evaluate, make_cluster,
                                    tree_routes)
-from host.adapcc.exhaustive import exhaustive, reduce_trees, tree_shapes
+from host.adapcc.exhaustive import exhaustive, exhaustive_split, reduce_trees, tree_shapes
 from host.adapcc.synthesizer import _TreeMilp, optimize
 
 MB = 1e6
@@ -97,6 +97,34 @@ def test_one_chunk_count_per_sub_collective(prim, gain):
     shared = exhaustive(net, prim, MB, m=2, root=0)
     assert optimize(net, prim, MB, m=2, root=0).objective == pytest.approx(shared.time, rel=1e-6)
     assert shared.time > gain * best.time
+
+
+def uneven_split_network() -> Network:
+    """Three GPUs, 1 us everywhere, g0-g1 at 50 Gbps, g0-g2 at 25, g1-g2 at 10 (from the
+    study's random search, ``split_experiment``): two trees toward g0 want unequal shares."""
+    gbps = np.array([[1, 50, 25], [50, 1, 10], [25, 10, 1]], dtype=float)
+    alpha = np.full((3, 3), 1e-6)
+    np.fill_diagonal(alpha, np.inf)
+    beta = 8.0 / (gbps * 1e9)
+    np.fill_diagonal(beta, np.inf)
+    return Network(["g0", "g1", "g2"], ["gpu"] * 3, alpha, beta)
+
+
+@pytest.mark.parametrize("prim,gain", [("reduce", 1.3), ("allreduce", 1.25)])
+def test_deciding_the_split_matches_exhaustive_and_beats_the_even_split(prim, gain):
+    """The paper's S_m as a decision (M = 2, a grid of eighths): the MILP over the grid equals
+    the exhaustive search of the same space, and here the even split, the default
+    restriction, is more than `gain` times slower."""
+    net = uneven_split_network()
+    free = exhaustive_split(net, prim, MB, root=0, steps=8)
+    milp = optimize(net, prim, MB, m=2, root=0, chunk_per_sub=True, split_steps=8)
+    assert milp.objective == pytest.approx(free.time, rel=1e-6)
+    assert evaluate(net, milp.strategy).time == pytest.approx(free.time, rel=1e-6)
+    assert min(milp.shares) < 0.5 and sum(milp.shares) == pytest.approx(1.0)
+    even = exhaustive(net, prim, MB, m=2, root=0, chunk_per_sub=True)
+    assert even.time > gain * free.time
+    with pytest.raises(ValueError, match="M = 2"):
+        optimize(net, prim, MB, m=4, split_steps=8)
 
 
 def _milp_value(net, prim, size, m, n_chunks, picks):

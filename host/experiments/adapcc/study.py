@@ -317,7 +317,61 @@ def _print_coordinator(cases):
                       f"mean/opt {p['mean_ratio_to_opt']:.2f}  max/opt {p['max_ratio_to_opt']:.2f}")
 
 
-PARTS = ("synthesis", "volatility", "coordinator")
+def random_gpu_network(rng, n: int = 3) -> Network:
+    """n GPUs, every pair linked at a rate drawn from 5-200 Gbps and a latency from 1-50 us."""
+    gbps = rng.choice([5, 10, 25, 50, 100, 200], size=(n, n)).astype(float)
+    alpha = rng.choice([1e-6, 5e-6, 20e-6, 50e-6], size=(n, n))
+    gbps, alpha = np.triu(gbps, 1), np.triu(alpha, 1)
+    gbps, alpha = gbps + gbps.T, alpha + alpha.T
+    np.fill_diagonal(gbps, 1.0)
+    np.fill_diagonal(alpha, np.inf)
+    beta = 8.0 / (gbps * 1e9)
+    np.fill_diagonal(beta, np.inf)
+    return Network([f"g{i}" for i in range(n)], ["gpu"] * n, alpha, beta)
+
+
+def split_experiment(networks: int = 40, seed: int = 7, steps: int = 8, size: float = MB,
+                     milp_checks: int = 3) -> dict:
+    """The even split of S (the MILP's default restriction) against the split decided too
+    (M = 2, a grid of k / steps), both searched exhaustively with per-sub-collective chunk
+    counts, on random 3-GPU networks, root 0; and the MILP over the split grid against the
+    exhaustive optimum on the first cases where the split pays."""
+    from host.adapcc.exhaustive import exhaustive, exhaustive_split
+    rng = np.random.default_rng(seed)
+    cases, checks = [], []
+    for i in tqdm(range(networks), desc="split", leave=False):
+        net = random_gpu_network(rng)
+        for prim in ("reduce", "allreduce"):
+            even = exhaustive(net, prim, size, m=2, root=0, chunk_per_sub=True)
+            free = exhaustive_split(net, prim, size, root=0, steps=steps)
+            gain = even.time / free.time
+            cases.append({"network": i, "primitive": prim, "even_ms": even.time * 1e3,
+                          "split_ms": free.time * 1e3, "shares": list(free.shares),
+                          "gain": gain})
+            if gain > 1 + 1e-9 and len(checks) < milp_checks:
+                milp = optimize(net, prim, size, m=2, root=0, chunk_per_sub=True,
+                                split_steps=steps)
+                checks.append({"network": i, "primitive": prim, "milp_ms": milp.objective * 1e3,
+                               "exhaustive_ms": free.time * 1e3,
+                               "equal": bool(abs(milp.objective - free.time) <= 1e-6 * free.time)})
+    gains = np.array([c["gain"] for c in cases])
+    return {"networks": networks, "steps": steps, "cases": cases, "milp_checks": checks,
+            "paying": int((gains > 1 + 1e-9).sum()), "max_gain": float(gains.max()),
+            "median_gain_where_paying": float(np.median(gains[gains > 1 + 1e-9]))
+            if (gains > 1 + 1e-9).any() else 1.0}
+
+
+def _print_split(r):
+    print(f"\nsplit of S decided (M = 2, grid of 1/{r['steps']}) against the even split, "
+          f"{len(r['cases'])} cases on {r['networks']} random 3-GPU networks: pays in "
+          f"{r['paying']}, by up to {r['max_gain']:.2f}x (median {r['median_gain_where_paying']:.2f}x "
+          f"where it pays)")
+    for c in r["milp_checks"]:
+        print(f"  MILP over the split grid, network {c['network']} {c['primitive']}: "
+              f"{c['milp_ms']:.4f} ms, exhaustive {c['exhaustive_ms']:.4f} ms, equal {c['equal']}")
+
+
+PARTS = ("synthesis", "volatility", "coordinator", "split")
 
 
 def main(argv=None):
@@ -352,6 +406,9 @@ def main(argv=None):
         results["coordinator"] = {case: coordinator_experiment(args.trials, case=case)
                                   for case in READY_TIME_CASES}
         _print_coordinator(results["coordinator"])
+    if "split" in parts:
+        results["split"] = split_experiment()
+        _print_split(results["split"])
     if args.plots:
         for path in plot(results, args.plots):
             print("wrote", path)
