@@ -624,7 +624,9 @@ class THCAllreduce:
         self.verified_sizes: dict[int, int] = {}   # per tensor key: size all workers agreed
         # Where the time goes (main job): "total" per call, blocked on the sums
         # ("exchange") and on the control and norm exchanges ("norms").
-        self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0}
+        # exchange: waiting for sums, settle and the end agreement (those two also apart)
+        self.seconds = {"total": 0.0, "exchange": 0.0, "norms": 0.0, "settle": 0.0,
+                        "agree": 0.0}
         self.control_bytes = 0
         # the newest calls' times (tail latency), bounded for long jobs
         self.call_seconds: collections.deque[float] = collections.deque(maxlen=CALL_HISTORY)
@@ -905,6 +907,7 @@ class THCAllreduce:
         if bounded:
             t0 = time.perf_counter()
             settled = stream.settle(self.loss_bound, self.loss_wait)
+            self.seconds["settle"] += time.perf_counter() - t0
             self.seconds["exchange"] += time.perf_counter() - t0
         if not (guarded or bounded):
             stream.finish()
@@ -915,6 +918,7 @@ class THCAllreduce:
         n_chunks = stream.n_chunks if bounded else 0
         silent, missing = self._agree_end(stream.down if guarded else None, settled,
                                           n_chunks, mean.device)
+        self.seconds["agree"] += time.perf_counter() - t0
         self.seconds["exchange"] += time.perf_counter() - t0
         if silent:
             self._go_to_collective(silent, stream.down)

@@ -150,3 +150,25 @@ def test_bounded_incast_agrees_on_one_missing_set(incast):
         # Outside the agreed missing set every worker holds the same complete sums.
         assert np.array_equal(sums[keep], base_sums[keep])
         assert (counts[~union] == WORKERS).all()
+
+
+def test_paired_training_alternates_the_modes_step_by_step():
+    """`innetwork incast --paired`: one training through the live switch, DLCP on the even
+    steps and off on the odd ones; each mode's calls are summarized apart, with where their
+    time went (the bounded-loss settle only in DLCP's)."""
+    import argparse
+
+    from host.experiments.dlcp import innetwork_incast
+    ap = argparse.ArgumentParser()
+    innetwork_incast.add_arguments(ap)
+    args = ap.parse_args(["--paired", "--steps", "6", "--run-timeout", "120"])
+    runs = innetwork_incast.run(args)["runs"]
+    assert [r["mode"] for r in runs] == ["dlcp (paired)", "off (paired)"]
+    dlcp, off = runs
+    # two buckets per step, 3 steps each; DDP's first step makes one call (its buckets are
+    # built after it), which is left out as the set-up
+    assert (dlcp["calls"], off["calls"]) == (2 * 2, 2 * 3)
+    assert dlcp["ms_per_call_by_part"]["settle"] > 0 == off["ms_per_call_by_part"]["settle"]
+    assert dlcp["test_acc"] == off["test_acc"] > 0.1
+    with pytest.raises(SystemExit, match="without background"):
+        innetwork_incast.run(ap.parse_args(["--paired", "--background-pps", "100"]))

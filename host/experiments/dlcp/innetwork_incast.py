@@ -24,6 +24,12 @@ for, where what is dropped first when that queue builds up should be the unimpor
 Reported per run: allreduce time per call (median, p99, max), the switch's drops
 (selective = Not-ECT above a threshold, buffer = queue full) and CE marks, the chunks
 decoded as lost, retransmissions, and the final test accuracy.
+
+`--paired` (no background) runs one training instead of two, DLCP on the even steps and
+off on the odd ones (marks and loss bound switched between steps, same processes, switch
+and moment), so the two modes' call times are compared under the same load: on this
+shared machine two runs a minute apart differ by more than the effect measured. The
+accuracy of such a run is of the two modes mixed; the two-run comparison gives each its own.
 """
 from __future__ import annotations
 
@@ -69,7 +75,8 @@ def _worker(rank, cfg, queue):
         dist.init_process_group("gloo", init_method=cfg["init"], rank=rank,
                                 world_size=cfg["world"],
                                 timeout=datetime.timedelta(seconds=40))
-        dlcp = cfg["mode"] == "dlcp"
+        paired = cfg["mode"] == "paired"
+        dlcp = cfg["mode"] in ("dlcp", "paired")
         codec = thc.THCCodec(seed=cfg["seed"], partition_size=cfg["partition_size"])
         state = thc_hook_state(aggregator=cfg["aggregator"], job=1, pool_size=cfg["pool"],
                                job_config=SwitchConfig.local(
@@ -87,17 +94,32 @@ def _worker(rank, cfg, queue):
         (xtr, ytr), (xte, yte) = load_digits_split(cfg["seed"])
         xs, ys = torch.from_numpy(xtr[rank::cfg["world"]]), torch.from_numpy(ytr[rank::cfg["world"]])
         rng = np.random.default_rng(cfg["seed"] + rank)
-        for _ in range(cfg["steps"]):
+        ar, call_modes, parts = state.allreduce, [], {"dlcp": {}, "off": {}}
+        marks = ar.exchange.transport.policy
+        for step in range(cfg["steps"]):
+            seen = dict(ar.seconds)
+            on = dlcp and (not paired or step % 2 == 0)
+            if paired:                  # between steps: no call is in flight
+                ar.exchange.transport.policy = marks if on else default_policy
+                ar.loss_bound = cfg["loss_bound"] if on else 0.0
+            before = len(ar.call_seconds)
             idx = torch.from_numpy(rng.choice(len(xs), cfg["batch"], replace=False))
             opt.zero_grad()
             F.cross_entropy(model(xs[idx]), ys[idx]).backward()
             opt.step()
+            call_modes += ["dlcp" if on else "off"] * (len(ar.call_seconds) - before)
+            if step >= 2:             # where the calls' time went, by mode (set-up left out)
+                mode = parts["dlcp" if on else "off"]
+                mode["calls"] = mode.get("calls", 0) + len(ar.call_seconds) - before
+                for name, total in ar.seconds.items():
+                    mode[name] = mode.get(name, 0.0) + total - seen.get(name, 0.0)
         with torch.no_grad():
             logits = model.module(torch.from_numpy(xte))
             acc = float((logits.argmax(1) == torch.from_numpy(yte)).float().mean())
             test_loss = float(F.cross_entropy(logits, torch.from_numpy(yte)))
-        ar = state.allreduce
-        out = {"call_seconds": list(ar.call_seconds), "loss_stats": dict(ar.loss_stats),
+        out = {"call_seconds": list(ar.call_seconds), "call_modes": call_modes,
+               "seconds_by_mode": parts,
+               "loss_stats": dict(ar.loss_stats),
                "transport": ar.exchange.transport.stats.as_dict(), "test_acc": acc,
                "test_loss": test_loss,
                "buckets": len(state.bucket_sizes)}
@@ -177,14 +199,25 @@ def run_mode(mode: str, args) -> dict:
     crashed = {r: v["crash"] for r, v in results.items() if "crash" in v}
     if crashed or len(results) < world:
         raise RuntimeError(f"{mode}: workers failed: {crashed or sorted(results)}")
+    if mode == "paired":
+        return [dict(summarize(f"{half} (paired)", results, stats, str(agg_host.port), wall,
+                               calls_of=half), background_pps=0.0) for half in ("dlcp", "off")]
     summary = summarize(mode, results, stats, str(agg_host.port), wall)
     summary["background_pps"] = args.background_pps
     return summary
 
 
-def summarize(mode, results, stats, port, wall) -> dict:
-    calls = np.array(results[0]["call_seconds"][1:]) * 1e3      # first call sets up
+def summarize(mode, results, stats, port, wall, calls_of: str | None = None) -> dict:
+    """calls_of: only the calls made in that mode (a paired run)."""
+    seconds = np.array(results[0]["call_seconds"])
+    picked = np.arange(1, len(seconds))                          # the first call sets up
+    if calls_of is not None:
+        picked = picked[np.array(results[0]["call_modes"])[picked] == calls_of]
+    calls = seconds[picked] * 1e3
     g = stats["global"] if stats else {}
+    parts = dict(results[0].get("seconds_by_mode", {}).get(calls_of or mode, {}))
+    n = parts.pop("calls", 0)
+    per_call_ms = {name: 1e3 * total / n for name, total in parts.items()} if n else {}
     port_stats = stats["ports"][port] if stats else {}
     loss = [results[r]["loss_stats"] for r in results]
     return {
@@ -203,6 +236,7 @@ def summarize(mode, results, stats, port, wall) -> dict:
         "buckets": results[0]["buckets"],
         "identical_loss_stats": all(s["missing_agreed"] == loss[0]["missing_agreed"]
                                     for s in loss),
+        "ms_per_call_by_part": per_call_ms,
     }
 
 
@@ -236,6 +270,8 @@ def add_arguments(ap) -> None:
                     help="other traffic into the aggregator's port, Not-ECT, in the queue "
                          "of THC's front band (datagrams/s; 0 = none)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--paired", action="store_true",
+                    help="one training, DLCP on even steps and off on odd ones (no background)")
 
 
 def run(args) -> dict:
@@ -250,6 +286,12 @@ def run(args) -> dict:
         print(f"note: the job's window, {args.workers} workers x {args.pool} slots = "
               f"{args.workers * args.pool} packets, exceeds the queue's {args.capacity}: "
               "it overflows the queue every round, with DLCP or without")
+    if args.paired:
+        if args.background_pps:
+            raise SystemExit("--paired compares the modes without background: the "
+                             "background's queue differs between them")
+        return {"runs": run_mode("paired", args), "load_average": os.getloadavg(),
+                "args": vars(args)}
     runs = [run_mode(mode, args) for mode in ("dlcp", "off")]
     return {"runs": runs, "load_average": os.getloadavg(), "args": vars(args)}
 
