@@ -97,7 +97,7 @@ def _worker(rank, cfg, queue):
         ar, call_modes, parts = state.allreduce, [], {"dlcp": {}, "off": {}}
         marks = ar.exchange.transport.policy
         for step in range(cfg["steps"]):
-            seen = dict(ar.seconds)
+            seen, cpu = dict(ar.seconds), time.process_time()
             on = dlcp and (not paired or step % 2 == 0)
             if paired:                  # between steps: no call is in flight
                 ar.exchange.transport.policy = marks if on else default_policy
@@ -111,6 +111,8 @@ def _worker(rank, cfg, queue):
             if step >= 2:             # where the calls' time went, by mode (set-up left out)
                 mode = parts["dlcp" if on else "off"]
                 mode["calls"] = mode.get("calls", 0) + len(ar.call_seconds) - before
+                # the worker process's CPU over the step (training, codec, I/O threads)
+                mode["process_cpu"] = mode.get("process_cpu", 0.0) + time.process_time() - cpu
                 for name, total in ar.seconds.items():
                     mode[name] = mode.get(name, 0.0) + total - seen.get(name, 0.0)
         with torch.no_grad():
