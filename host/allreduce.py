@@ -367,17 +367,17 @@ class _AggregatorStream:
             if np.count_nonzero(ex.done & (ex.counts == members)) < need:
                 return False
             now = time.monotonic()
-            if "end" not in grace:
-                if wait_rto == 0:
-                    return True
-                if np.any(~ex.done & ex.sent & (ex.deadline <= now)):
-                    # As after a stall: the overdue chunks go out at once, no further loss
-                    # evidence needed (host.transport._Exchange.expired).
-                    ex.last_progress = now - transport.timer.rto
-                grace["end"] = now + wait_rto * transport.timer.rto
-            return now >= grace["end"]
+            if wait_rto and np.any(~ex.done & ex.sent & (ex.deadline <= now)):
+                # As after a stall: the overdue chunks go out at once, no further loss
+                # evidence needed (host.transport._Exchange.expired).
+                ex.last_progress = now - transport.timer.rto
+            grace["end"] = now + wait_rto * transport.timer.rto
+            return True
         # enough() needs `need` chunks done: until then the native loop waits by itself
         stream.wait_until(enough, at_least=need)
+        if wait_rto and not ex.all_done():
+            # the grace period: the rest, or its end, waited for in one native call
+            stream.wait_all(grace["end"])
         with stream.lock:
             ex.give_up(np.flatnonzero(~ex.done))
             return ~(ex.done & (ex.counts == members))

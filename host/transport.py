@@ -479,7 +479,7 @@ class AggregatorTransport:
         it was woken), False when a STRAGGLER notice was applied or the stream is slow but
         within its timeout (call again); the errors of the Python path otherwise."""
         ex = stream.ex
-        if status in (native_datapath.DONE, native_datapath.WOKEN):
+        if status in (native_datapath.DONE, native_datapath.WOKEN, native_datapath.DEADLINE):
             return True
         if status == native_datapath.NOTICE:
             # A STRAGGLER notice: it and the datagrams after it go through _apply.
@@ -520,6 +520,7 @@ class AggregatorTransport:
         s.rto_init, s.rto_min, s.rto_max = timer.rto_init, timer.rto_min, timer.rto_max
         s.sock_tos, s.heard = io.tos, self._heard_from_aggregator
         s.moderation = self.moderation
+        s.until = stream.until
         s.ect_retx = bool(getattr(self.policy, "ect_retransmissions", False))
 
     def _native_leave(self, stream: "TensorStream") -> None:
@@ -573,7 +574,7 @@ class AggregatorTransport:
         """How long to wait for results before the next timer is due."""
         now = time.monotonic()
         return max(0.0, min(stream.ex.next_deadline(now, self.timer.rto) - now,
-                            stream.last_progress + self.timeout - now))
+                            stream.last_progress + self.timeout - now, stream.until - now))
 
     def _check_timeout(self, stream: "TensorStream", until) -> None:
         if time.monotonic() - stream.last_progress > self.timeout and not until():
@@ -807,6 +808,7 @@ class TensorStream:
         self._wanted: int | None = None      # chunks a background-mode waiter waits for
         self._at_least: int | None = None    # and, for its own predicate, its hint (_wait)
         self._in_c = False                   # the I/O thread is inside a native call
+        self.until = float("inf")            # a wait's time limit (wait_all), monotonic s
         self._thread = None
         if background:
             self._wake_r, self._wake_w = os.pipe()
@@ -904,6 +906,19 @@ class TensorStream:
         self._check_open()
         self._drive(until, at_least=at_least)
 
+    def wait_all(self, until: float) -> None:
+        """Block until every chunk is done or the monotonic clock reaches `until`, whichever
+        comes first: on the native path in C, without Python between arrivals (a
+        bounded-loss rule's grace period, once enough chunks are in)."""
+        self._check_open()
+        ex = self.ex
+        self.until = until
+        try:
+            self._drive(lambda: ex.all_done() or time.monotonic() >= until,
+                        target=ex.n_chunks)
+        finally:
+            self.until = float("inf")
+
     def counts(self, lo: int, hi: int):
         """Contributor count of values [lo, hi): an int when every chunk agrees, else one
         per value (0 where a chunk was given up)."""
@@ -964,7 +979,7 @@ class TensorStream:
                     if not self._thread.is_alive():
                         raise TransportError(f"the I/O thread of tensor {self.ex.tensor} "
                                              "ended before its results were in")
-                    self._progress.wait(0.5)
+                    self._progress.wait(min(0.5, max(self.until - time.monotonic(), 1e-3)))
             finally:
                 self._wanted = self._at_least = None
 

@@ -36,7 +36,7 @@ import numpy as np
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_datapath.so")
 
 # dp_run's statuses (datapath.c)
-DONE, NOTICE, WAITING_INPUT, TIMEOUT, ERRNO, WOKEN = range(6)
+DONE, NOTICE, WAITING_INPUT, TIMEOUT, ERRNO, WOKEN, DEADLINE = range(7)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -58,7 +58,7 @@ class DpStream(ctypes.Structure):
         + [(name, _D) for name in ("srtt", "rttvar", "rto_init", "rto_min", "rto_max",
                                    "timeout")]
         + [(name, _I) for name in ("sock_tos", "ect_retx", "heard", "wake_fd")]
-        + [("moderation", _D)]
+        + [("moderation", _D), ("until", _D)]
         + [(name, _I) for name in ("packets_sent", "bytes_sent", "retransmissions",
                                    "packets_received", "bytes_received", "results_accepted",
                                    "duplicates", "ignored", "send_calls", "send_messages",
@@ -161,6 +161,7 @@ class NativeWindow:
         s.rx_rows, s.rx_width = rx.shape
         s.rtt_cap = len(self.rtt)
         s.wake_fd = -1
+        s.until = float("inf")
         self._ref = ctypes.byref(s)
 
     def run(self, block: bool, target: int, at_least: int | None = None) -> int:

@@ -12,7 +12,8 @@
  * What it does not handle it hands back as a status: a STRAGGLER notice (the rows from
  * it on are left in the receive rows), a stream waiting for input, no progress within
  * the timeout, an error from the kernel (errno), and input on the stream's wake-up pipe
- * (wake_fd: a background I/O thread's stream got new values, a new waiter, or closed).
+ * (wake_fd: a background I/O thread's stream got new values, a new waiter, or closed),
+ * and the caller's time limit passing (until: a bounded-loss rule's grace period).
  */
 #define _GNU_SOURCE
 #include <endian.h>
@@ -27,7 +28,7 @@
 #include <time.h>
 
 enum { DP_DONE = 0, DP_NOTICE = 1, DP_WAITING_INPUT = 2, DP_TIMEOUT = 3, DP_ERRNO = 4,
-       DP_WOKEN = 5 };
+       DP_WOKEN = 5, DP_DEADLINE = 6 };
 
 #define HEADER_LEN 32
 #define VERSION 2
@@ -66,6 +67,7 @@ struct dp_stream {
     int64_t sock_tos, ect_retx, heard;
     int64_t wake_fd;             /* -1, or a pipe whose input ends a blocking call */
     double moderation;           /* seconds RESULTs may gather (moderation_pause) */
+    double until;                /* a blocking call ends here (monotonic s; INFINITY: never) */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
@@ -510,8 +512,12 @@ int dp_run(struct dp_stream *s, int block, int64_t target, int64_t at_least)
             break;
         }
         double now = monotonic_now();
-        double wait = fmin(next_deadline(s, now, rto_of(s)) - now,
-                           s->stream_last_progress + s->timeout - now);
+        if (now >= s->until) {
+            status = DP_DEADLINE;
+            break;
+        }
+        double wait = fmin(fmin(next_deadline(s, now, rto_of(s)) - now,
+                                s->stream_last_progress + s->timeout - now), s->until - now);
         double pause = wait > 0 ? moderation_pause(s, progress) : 0;
         if (pause > 0) {
             pause_for(fmin(pause, wait));

@@ -417,3 +417,42 @@ def test_each_layer_keeps_its_own_rtt_estimate(aggregator, use_native):
     t.allreduce(pack(idx), len(idx), 3, layer=0, num_layers=2)
     assert t.timer is front and front.rto < 0.5
     t.close()
+
+
+@PATHS
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "io-thread"])
+def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
+    """A bounded-loss rule's grace period: wait_all returns when every chunk is in, or at its
+    time limit when some never come (here the job's second worker never sends, so no chunk
+    completes), long before the stream's timeout; the stream stays usable for give-up."""
+    vpp, pool, chunks = 256, 16, 40
+    idx = random_indices(1, chunks * vpp, 5)[0]
+    svc, addrs = aggregator(2, pool)
+    t = AggregatorTransport(svc.address, job=1, worker=0, expected=0b11, pool_size=pool,
+                            local=addrs[0], values_per_packet=vpp, timeout=15,
+                            native=use_native)
+    t.flush()
+    stream = t.open_stream(len(idx), 4, background=background)
+    stream.submit(pack(idx), len(idx))
+    started = time.monotonic()
+    stream.wait_all(started + 0.3)
+    waited = time.monotonic() - started
+    assert 0.25 <= waited < 2.0, waited
+    assert not stream.ex.done.any() and stream.until == float("inf")
+    with stream.lock:
+        stream.ex.give_up(np.arange(chunks))
+    stream.close()
+    t.close()
+    # and with every chunk answered it returns as soon as they are in
+    svc, addrs = aggregator(1, pool)
+    t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
+                            local=addrs[0], values_per_packet=vpp, timeout=15,
+                            native=use_native)
+    t.flush()
+    stream = t.open_stream(len(idx), 5, background=background)
+    stream.submit(pack(idx), len(idx))
+    started = time.monotonic()
+    stream.wait_all(started + 30.0)
+    assert stream.ex.all_done() and time.monotonic() - started < 10.0
+    assert np.array_equal(stream.finish().sums, TABLE[idx])
+    t.close()
