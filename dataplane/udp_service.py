@@ -13,7 +13,8 @@ code the packet suite checks). Differences from a switch, all forced by the sock
   so `drop_fragment` stays 0 here; a datagram whose frame would exceed the 9216 bytes
   every plane takes (above 9174 bytes) is `drop_oversize`, as on a switch.
 * Results and notices go to each member's `(ip, udp_port)` with `sendto`, from the
-  service's own address; no DLCP stage (the kernel queues), no ordinary forwarding.
+  service's own address, with the ToS of the datagram that caused them; no DLCP stage
+  (the kernel queues), no ordinary forwarding.
 * The drop counters of docs/protocol.md §4.5 are kept; `drop_truncated` and
   `drop_bad_length` see the datagram length (the UDP length).
 
@@ -24,7 +25,8 @@ Python API for tests and the main job:
         print(svc.counters())
 
 One thread owns the socket and every slot (the state machine is sequential by nature);
-its loop is one `recv_into` into a preallocated buffer per datagram, numpy on the values.
+its loop is one `recvmsg_into` into a preallocated buffer per datagram (with the datagram's
+ToS, which the replies it causes carry, docs/protocol.md §5), numpy on the values.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import json
 import multiprocessing as mp
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -49,6 +52,8 @@ RECV_BUFFER = 1 << 16
 # (docs/protocol.md §8); a longer one is drop_oversize.
 MAX_DATAGRAM = MAX_FRAME - L2L4_LEN
 SOCKET_BUFFER = 8 << 20        # kernel buffers: absorb bursts of a whole tensor
+IP_RECVTOS = getattr(socket, "IP_RECVTOS", 13)
+TOS_INT = struct.Struct("@i")  # IP_TOS as a control message: an int
 
 
 def service_config(config: SwitchConfig) -> SwitchConfig:
@@ -72,6 +77,8 @@ class UdpAggregator:
                 self.sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
             except OSError:
                 pass                       # the kernel caps it; the default still works
+        # the ToS of what arrives, for the replies it causes (docs/protocol.md §5)
+        self.sock.setsockopt(socket.IPPROTO_IP, IP_RECVTOS, 1)
         self.sock.bind((host, port))
         self.address = self.sock.getsockname()
         self.stats = {"rx_datagrams": 0, "tx_datagrams": 0, "tx_errors": 0}
@@ -85,23 +92,30 @@ class UdpAggregator:
     def serve_forever(self) -> None:
         buf = bytearray(RECV_BUFFER)
         view = memoryview(buf)
-        recv_into = self.sock.recvfrom_into
-        sendto = self.sock.sendto
+        recvmsg_into = self.sock.recvmsg_into
+        sendto, sendmsg = self.sock.sendto, self.sock.sendmsg
         handle = self.switch.handle_agg
         oversize = self.switch.count_oversize
         stats = self.stats
+        ancillary = socket.CMSG_SPACE(4)
         while True:
-            n, source = recv_into(buf)
+            n, anc, _flags, source = recvmsg_into([buf], ancillary)
             if self._stopping:
                 break
             stats["rx_datagrams"] += 1
             if n > MAX_DATAGRAM:
                 oversize()
                 continue
-            for reply in handle(0, view[:n], n, True, 0, source):
+            tos = anc[0][2][0] if anc and anc[0][1] == socket.IP_TOS else 0
+            for reply in handle(0, view[:n], n, True, tos, source):
                 m = reply.member
                 try:
-                    sendto(reply.agg, (m.ip, m.udp_port))
+                    if reply.tos:          # the causing packet's DSCP and ECN (§5)
+                        sendmsg([reply.agg], [(socket.IPPROTO_IP, socket.IP_TOS,
+                                               TOS_INT.pack(reply.tos))], 0,
+                                (m.ip, m.udp_port))
+                    else:
+                        sendto(reply.agg, (m.ip, m.udp_port))
                     stats["tx_datagrams"] += 1
                 except OSError:            # e.g. ECONNREFUSED from an earlier ICMP error
                     stats["tx_errors"] += 1

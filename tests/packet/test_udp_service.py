@@ -185,3 +185,31 @@ def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "table needs 16 entries" in result.stderr
+
+
+def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers):
+    """§5: every reply leaves with the ToS (DSCP and ECN) of the packet that caused it, so a
+    CE mark on the completing contribution comes back on the RESULT; the earlier ones'
+    marks do not."""
+    two = workers[:2]
+    for s in two:
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    config = loopback_config(two)
+    idx = np.random.default_rng(4).integers(0, 16, (2, VPP))
+    ect, ce = (33 << 2) | 2, (33 << 2) | 3
+    with serve(config, "127.0.0.1", 0) as svc:
+        for first, last, tos_first, tos_last in ((0, 1, ect, ce), (1, 0, ce, ect)):
+            two[first].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_first)
+            two[last].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_last)
+            rounds = 0 if first == 0 else 1
+            for w in (first, last):
+                bufs, lengths = encode_data(pack(idx[w]), VPP, VPP, job=1, worker=w, tensor=3,
+                                            slots=np.arange(1), rounds=rounds,
+                                            expected=0b11)
+                two[w].sendto(bufs[0][:lengths[0]].tobytes(), svc.address)
+            for s in two:
+                data, anc, _, _ = s.recvmsg(2048, socket.CMSG_SPACE(4))
+                assert decode_headers([data])["ver_type"][0] & 0xF == TYPE_RESULT
+                assert [(level, kind, c[0]) for level, kind, c in anc] == \
+                    [(socket.IPPROTO_IP, socket.IP_TOS, tos_last)]
+
