@@ -1048,8 +1048,10 @@ class TensorStream:
                     # needs first (its hint) are in: those come in one native call
                     at_least = (self._at_least if self._wanted == EVERY_ROUND
                                 and t._native_hint(self, self._at_least) else None)
-                    in_c = target is not None and (self._wanted != EVERY_ROUND
-                                                   or at_least is not None)
+                    # past a wait_all's time limit the call would end at once: stay out
+                    # of C so the waiter, which needs the I/O thread outside it, can leave
+                    in_c = (target is not None and time.monotonic() < self.until
+                            and (self._wanted != EVERY_ROUND or at_least is not None))
                     if in_c:
                         t._native_enter(self)
                         window.state.wake_fd = self._wake_r

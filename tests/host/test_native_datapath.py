@@ -427,13 +427,18 @@ def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
     completes), long before the stream's timeout; the stream stays usable for give-up."""
     vpp, pool, chunks = 256, 16, 40
     idx = random_indices(1, chunks * vpp, 5)[0]
-    svc, addrs = aggregator(2, pool)
-    t = AggregatorTransport(svc.address, job=1, worker=0, expected=0b11, pool_size=pool,
-                            local=addrs[0], values_per_packet=vpp, timeout=15,
-                            native=use_native)
-    t.flush()
-    stream = t.open_stream(len(idx), 4, background=background)
-    stream.submit(pack(idx), len(idx))
+
+    def submitted(workers: int, tensor: int):
+        """Worker 0's stream of idx, in a job of `workers` members."""
+        svc, addrs = aggregator(workers, pool)
+        t = AggregatorTransport(svc.address, job=1, worker=0, expected=(1 << workers) - 1,
+                                pool_size=pool, local=addrs[0], values_per_packet=vpp,
+                                timeout=15, native=use_native)
+        t.flush()
+        stream = t.open_stream(len(idx), tensor, background=background)
+        stream.submit(pack(idx), len(idx))
+        return t, stream
+    t, stream = submitted(2, 4)
     started = time.monotonic()
     stream.wait_all(started + 0.3)
     waited = time.monotonic() - started
@@ -444,13 +449,7 @@ def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
     stream.close()
     t.close()
     # and with every chunk answered it returns as soon as they are in
-    svc, addrs = aggregator(1, pool)
-    t = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
-                            local=addrs[0], values_per_packet=vpp, timeout=15,
-                            native=use_native)
-    t.flush()
-    stream = t.open_stream(len(idx), 5, background=background)
-    stream.submit(pack(idx), len(idx))
+    t, stream = submitted(1, 5)
     started = time.monotonic()
     stream.wait_all(started + 30.0)
     assert stream.ex.all_done() and time.monotonic() - started < 10.0

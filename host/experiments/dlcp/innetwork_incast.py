@@ -66,6 +66,30 @@ GLOO_PORT = 47300
 BACKGROUND_BYTES = 600         # about a THC DATA packet of 1024 values
 
 
+class _StepLog:
+    """The mode each allreduce call ran in, and where each mode's calls spent their time
+    (the worker's `seconds` parts and its process CPU), the first two steps (set-up) left out."""
+
+    def __init__(self, allreduce):
+        self.ar, self.call_modes, self.parts = allreduce, [], {"dlcp": {}, "off": {}}
+
+    def begin(self) -> None:
+        ar = self.ar
+        self._seen, self._calls = dict(ar.seconds), len(ar.call_seconds)
+        self._cpu = time.process_time()     # training, codec and I/O threads together
+
+    def end(self, step: int, mode: str) -> None:
+        new = len(self.ar.call_seconds) - self._calls
+        self.call_modes += [mode] * new
+        if step < 2:
+            return
+        part = self.parts[mode]
+        part["calls"] = part.get("calls", 0) + new
+        part["process_cpu"] = part.get("process_cpu", 0.0) + time.process_time() - self._cpu
+        for name, total in self.ar.seconds.items():
+            part[name] = part.get(name, 0.0) + total - self._seen.get(name, 0.0)
+
+
 def _worker(rank, cfg, queue):
     torch.set_num_threads(1)
     numba.set_num_threads(1)
@@ -94,33 +118,25 @@ def _worker(rank, cfg, queue):
         (xtr, ytr), (xte, yte) = load_digits_split(cfg["seed"])
         xs, ys = torch.from_numpy(xtr[rank::cfg["world"]]), torch.from_numpy(ytr[rank::cfg["world"]])
         rng = np.random.default_rng(cfg["seed"] + rank)
-        ar, call_modes, parts = state.allreduce, [], {"dlcp": {}, "off": {}}
+        ar, log = state.allreduce, _StepLog(state.allreduce)
         marks = ar.exchange.transport.policy
         for step in range(cfg["steps"]):
-            seen, cpu = dict(ar.seconds), time.process_time()
             on = dlcp and (not paired or step % 2 == 0)
             if paired:                  # between steps: no call is in flight
                 ar.exchange.transport.policy = marks if on else default_policy
                 ar.loss_bound = cfg["loss_bound"] if on else 0.0
-            before = len(ar.call_seconds)
+            log.begin()
             idx = torch.from_numpy(rng.choice(len(xs), cfg["batch"], replace=False))
             opt.zero_grad()
             F.cross_entropy(model(xs[idx]), ys[idx]).backward()
             opt.step()
-            call_modes += ["dlcp" if on else "off"] * (len(ar.call_seconds) - before)
-            if step >= 2:             # where the calls' time went, by mode (set-up left out)
-                mode = parts["dlcp" if on else "off"]
-                mode["calls"] = mode.get("calls", 0) + len(ar.call_seconds) - before
-                # the worker process's CPU over the step (training, codec, I/O threads)
-                mode["process_cpu"] = mode.get("process_cpu", 0.0) + time.process_time() - cpu
-                for name, total in ar.seconds.items():
-                    mode[name] = mode.get(name, 0.0) + total - seen.get(name, 0.0)
+            log.end(step, "dlcp" if on else "off")
         with torch.no_grad():
             logits = model.module(torch.from_numpy(xte))
             acc = float((logits.argmax(1) == torch.from_numpy(yte)).float().mean())
             test_loss = float(F.cross_entropy(logits, torch.from_numpy(yte)))
-        out = {"call_seconds": list(ar.call_seconds), "call_modes": call_modes,
-               "seconds_by_mode": parts,
+        out = {"call_seconds": list(ar.call_seconds), "call_modes": log.call_modes,
+               "seconds_by_mode": log.parts,
                "loss_stats": dict(ar.loss_stats),
                "transport": ar.exchange.transport.stats.as_dict(), "test_acc": acc,
                "test_loss": test_loss,
