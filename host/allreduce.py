@@ -907,8 +907,9 @@ class THCAllreduce:
         if bounded:
             t0 = time.perf_counter()
             settled = stream.settle(self.loss_bound, self.loss_wait)
-            self.seconds["settle"] += time.perf_counter() - t0
-            self.seconds["exchange"] += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.seconds["settle"] += elapsed
+            self.seconds["exchange"] += elapsed
         if not (guarded or bounded):
             stream.finish()
             return
@@ -918,8 +919,9 @@ class THCAllreduce:
         n_chunks = stream.n_chunks if bounded else 0
         silent, missing = self._agree_end(stream.down if guarded else None, settled,
                                           n_chunks, mean.device)
-        self.seconds["agree"] += time.perf_counter() - t0
-        self.seconds["exchange"] += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.seconds["agree"] += elapsed
+        self.seconds["exchange"] += elapsed
         if silent:
             self._go_to_collective(silent, stream.down)
             stream.close()

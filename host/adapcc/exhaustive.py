@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass
 
 from .costmodel import Network, Strategy, SubCollective, evaluate, tree_routes
-from .synthesizer import CHUNK_COUNTS
+from .synthesizer import CHUNK_COUNTS, split_grid
 
 
 @dataclass
@@ -140,9 +140,9 @@ def exhaustive_split(net: Network, primitive: str, total_bytes: float, root: int
     shapes = sub_collective_shapes(net, primitive, root, forwarding)
     options = [(shape, count) for shape in shapes for count in chunk_counts]
     best, evaluated = None, 0
-    for k in range(1, steps // 2 + 1):
-        sizes = (total_bytes * k / steps, total_bytes * (steps - k) / steps)
-        pairs = (itertools.combinations_with_replacement(options, 2) if 2 * k == steps
+    for shares in split_grid(steps):
+        sizes = tuple(total_bytes * share for share in shares)
+        pairs = (itertools.combinations_with_replacement(options, 2) if shares[0] == shares[1]
                  else itertools.product(options, repeat=2))
         for pick in pairs:
             subs = [SubCollective(r, size, size / count, routes, aggregate)
@@ -151,7 +151,6 @@ def exhaustive_split(net: Network, primitive: str, total_bytes: float, root: int
             evaluated += 1
             if best is None or t < best.time:
                 best = ExhaustiveResult(Strategy(primitive, subs), t,
-                                        tuple(c for _, c in pick), 0,
-                                        tuple(size / total_bytes for size in sizes))
+                                        tuple(c for _, c in pick), 0, shares)
     best.evaluated = evaluated
     return best

@@ -488,6 +488,12 @@ def chunk_choices(m: int, chunk_counts=CHUNK_COUNTS, chunk_per_sub: bool = False
     return list(itertools.combinations_with_replacement(sorted(chunk_counts), m))
 
 
+def split_grid(steps: int) -> list[tuple[float, float]]:
+    """The splits of S between two sub-collectives on a grid of 1 / steps: k / steps for the
+    first, k = 1 .. steps / 2 (the rest mirror these)."""
+    return [(k / steps, 1 - k / steps) for k in range(1, steps // 2 + 1)]
+
+
 def split_choices(m: int, steps: int | None, chunk_counts=CHUNK_COUNTS,
                   chunk_per_sub: bool = False) -> list:
     """(shares, counts) to solve for: the even split with chunk_choices, or (``steps``, M = 2)
@@ -499,10 +505,10 @@ def split_choices(m: int, steps: int | None, chunk_counts=CHUNK_COUNTS,
         raise ValueError(f"split_steps decides the split of M = 2 on a grid of >= 2 steps; "
                          f"got M = {m}, steps = {steps}")
     out = []
-    for k in range(1, steps // 2 + 1):
-        shares = (k / steps, 1 - k / steps)
-        counts = (chunk_choices(m, chunk_counts, chunk_per_sub) if 2 * k == steps or
-                  not chunk_per_sub else itertools.product(sorted(chunk_counts), repeat=2))
+    for shares in split_grid(steps):
+        counts = (chunk_choices(m, chunk_counts, chunk_per_sub)
+                  if shares[0] == shares[1] or not chunk_per_sub
+                  else itertools.product(sorted(chunk_counts), repeat=2))
         out += [(shares, c) for c in counts]
     return out
 

@@ -194,6 +194,11 @@ def executor_hook(executor: TreeExecutor, bucket):
     return fut
 
 
+def _optimizer(model):
+    """The optimizer of every training here, and of the state a restart carries."""
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def _train(executor, steps: int, hidden: int, seed: int = 0):
     """`steps` training steps of the main job's model from fixed weights: each step's
     seconds on this rank, and the final parameters (flat). executor=None: DDP's allreduce."""
@@ -202,7 +207,7 @@ def _train(executor, steps: int, hidden: int, seed: int = 0):
     model = DDP(make_model(hidden))
     if executor is not None:
         model.register_comm_hook(executor, executor_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = _optimizer(model)
     (xtr, ytr), _ = load_digits_split(seed)
     xs, ys = torch.from_numpy(xtr[rank::world]), torch.from_numpy(ytr[rank::world])
     order = np.random.default_rng(seed + rank).permutation(len(xs))
@@ -300,7 +305,7 @@ def _training_state(hidden: int):
     momentum buffers): what a restart must carry across."""
     torch.manual_seed(0)
     model = make_model(hidden)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = _optimizer(model)
     (xtr, ytr), _ = load_digits_split(0)
     F.cross_entropy(model(torch.from_numpy(xtr[:32])), torch.from_numpy(ytr[:32])).backward()
     opt.step()
@@ -333,7 +338,7 @@ def resumed_worker(args) -> None:
     state = torch.load(Path(args.sync) / "checkpoint.pt", weights_only=True)
     model = make_model(args.hidden)
     model.load_state_dict(state["model"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = _optimizer(model)
     opt.load_state_dict(state["optimizer"])
     DDP(model)                               # DDP's own set-up: it broadcasts rank 0's weights
     dist.barrier()
@@ -460,12 +465,14 @@ def _check_servers(servers, rates, delays, change, background=None) -> list[int]
     return servers
 
 
-def _finish(procs, what: str) -> None:
+def _finish(procs, what: str, out: Path) -> None:
+    """Stop what still runs; the processes failed unless every one exited 0 and `out`,
+    their result, was written."""
     for p in procs:
         if p.poll() is None:
             p.kill()
     logs = [p.communicate()[0] for p in procs]
-    if any(p.returncode for p in procs):
+    if any(p.returncode for p in procs) or not out.exists():
         raise RuntimeError(f"links_study {what} failed:\n" + "\n".join(
             (log or "")[-2000:] for log in logs))
 
@@ -482,7 +489,7 @@ def _restart_baseline(tb, args, sync: Path, deadline: float) -> dict:
                 raise TimeoutError("the relaunched ranks did not finish in time")
             time.sleep(0.05)
     finally:
-        _finish(procs, "relaunched ranks")
+        _finish(procs, "relaunched ranks", out)
     resumed = json.loads(out.read_text())
     return {"checkpoint_s": decided["checkpoint_s"],
             # terminate + checkpoint + relaunch (processes, imports, process group, load)
@@ -523,7 +530,7 @@ def run_study(rates=(200, 200, 100, 50), delays=(0, 1, 2, 4), mb: float = 4, rep
         try:
             _drive(tb, procs, sync, change, started + timeout, background)
         finally:
-            _finish(procs, "workers")
+            _finish(procs, "workers", out)
         per_rank = json.loads(out.read_text())
         relaunch = _restart_baseline(tb, args, sync, started + timeout) if restart else None
         qdisc = tb.qdisc
