@@ -556,7 +556,12 @@ class THCAllreduce:
     at the end of the call and, with "collective", redoes the call's integer sums over the
     process group (SumAllreduceExchange) from the very indices it sent, so the mean and the
     error feedback are the ones the aggregator would have given; it warns once and stays on
-    the collective. Every probe_interval seconds (any worker's clock, agreed in the control
+    the collective. On THC's own process group (group=None) and without bounded loss that
+    exchange costs nothing when every worker got its sums: a worker that got them returns
+    at once, and one the aggregator stopped answering asks the others for the redo in their
+    next control exchange (or in close(), which every worker calls), the first collective
+    each of them makes after the call (_rescue_exchange). Until then `on_collective` of the
+    workers that got their sums still says where that call went. Every probe_interval seconds (any worker's clock, agreed in the control
     exchange) each worker probes the aggregator at the next call
     (AggregatorTransport.probe); when every probe is answered, all go back to it at that
     call, after a FLUSH of the job's slots. "raise": the call raises, as without fallback.
@@ -633,11 +638,19 @@ class THCAllreduce:
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None
+        # Exact calls on THC's own group end without an agreement (_rescue_exchange):
+        # the last such call's indices, for a redo a silenced worker may still ask for.
+        self._agreement_deferred = self._own_group and not self.loss_bound
+        self._last_call = None
+        self._deferred_calls = False           # close() then holds one last control exchange
+        self._slots_of_size: dict[int, int] = {}   # tensor size -> norms of its chunk 0
 
     def close(self, destroy_group: bool = True) -> None:
         """Close the exchange's socket (in-network path) and, with destroy_group, THC's own
         process group: only once no call is pending (THCHookState.close stops the exchange
         thread first)."""
+        if destroy_group and self._deferred_calls and self._failed is None:
+            self._closing_exchange()
         close_exchange = getattr(self.exchange, "close", None)
         if close_exchange is not None:
             close_exchange()
@@ -755,15 +768,22 @@ class THCAllreduce:
         except BaseException as exc:
             if getattr(exc, "thc_agreed", False):
                 raise
-            self._failed = exc
-            # An AllreduceError says already what went wrong (e.g. the start barrier names
-            # the missing rank); any other failure may be a worker that died.
-            diagnosed = isinstance(exc, AllreduceError) or not isinstance(exc, Exception)
-            lost = None if diagnosed else self._roll_call(exc)
+            lost = self._record_failure(exc)
             if lost is None:
                 raise
-            self._failed = lost
             raise lost from exc
+
+    def _record_failure(self, exc: BaseException) -> WorkerLostError | None:
+        """Keep the failure that puts this worker out of step (later calls raise it);
+        a WorkerLostError instead when the roll call finds workers gone."""
+        self._failed = exc
+        # An AllreduceError says already what went wrong (e.g. the start barrier names
+        # the missing rank); any other failure may be a worker that died.
+        diagnosed = isinstance(exc, AllreduceError) or not isinstance(exc, Exception)
+        lost = None if diagnosed else self._roll_call(exc)
+        if lost is not None:
+            self._failed = lost
+        return lost
 
     def _roll_call(self, exc: Exception) -> WorkerLostError | None:
         """After a failed call: which workers are gone. Every worker's heartbeat counts its
@@ -913,6 +933,21 @@ class THCAllreduce:
         if not (guarded or bounded):
             stream.finish()
             return
+        if self._agreement_deferred:
+            self._deferred_calls = True
+            stream.finish()
+            if stream.down is None:
+                # Every sum came back here, so every worker's indices reached the
+                # aggregator: only a worker it stopped answering can still lack its sums,
+                # and it asks in our next control exchange (_rescue_exchange).
+                self._last_call = (sent, key, len(mean), mean.device)
+                return
+            self._last_call = None
+            silent = self._rescue_exchange(stream.down)
+            self._go_to_collective(silent, stream.down)
+            stream.close()
+            self._redo_over_collective(sent, key, mean)
+            return
         # One exchange at the end of the call for both agreements: whether the aggregator
         # answered every worker, and (bounded loss) which chunks anyone lacks.
         t0 = time.perf_counter()
@@ -933,6 +968,48 @@ class THCAllreduce:
             for chunk in in_flight:
                 self._decode(stream, chunk, key, mean, missing)
         stream.finish()
+
+    def _rescue_exchange(self, down: BaseException) -> list[int]:
+        """This worker's aggregator went silent in a call whose end agreement is deferred:
+        join the other workers' next control exchange (the first collective each makes
+        after the call: the next call's, or close()'s) with only its rescue flag set, and
+        return every worker that set one. Its length is the one they use
+        (_control_length: it depends only on the sizes every worker verified)."""
+        vector = torch.zeros(self._control_length(), dtype=torch.float64)
+        vector[self._norm_slots() + self._rescue_field(self.rank)] = 1.0
+        if dist.get_backend(self.group) == "nccl":
+            vector = vector.cuda()
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        self.control_bytes += 8 * vector.numel()
+        return self._rescued(vector.cpu()[self._norm_slots():])
+
+    def _rescued(self, control) -> list[int]:
+        return [r for r in range(self.world) if control[self._rescue_field(r)] > 0]
+
+    def _join_rescue(self, silent: list[int]) -> None:
+        """Workers the aggregator stopped answering in the last call asked for its redo:
+        go to the collective with them and give them the sums (every chunk was decoded
+        here, so nothing here changes)."""
+        self._go_to_collective(silent, None)
+        last, self._last_call = self._last_call, None
+        if last is None:
+            raise AllreduceError(
+                f"worker(s) {silent} ask for a redo of the last THC call, which this worker "
+                "did not keep: every worker must use the same loss_bound and process group")
+        sent, key, d, device = last
+        self._redo_over_collective(sent, key, torch.empty(d, device=device))
+
+    def _closing_exchange(self) -> None:
+        """close() after calls with a deferred end agreement: one last control exchange,
+        so that a worker still waiting for the last call's redo gets it (every worker
+        closes)."""
+        device = torch.device("cuda" if dist.get_backend(self.group) == "nccl" else "cpu")
+        try:
+            self._control_exchange(None, lambda: torch.zeros(self._control_fields(),
+                                                             dtype=torch.float64), device)
+        except Exception as exc:      # a worker gone already: nobody left to answer
+            warnings.warn(f"THC: close() could not hold its last control exchange "
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3)
 
     def _count_lost_marks(self, missing, tos) -> None:
         """loss_stats["lost_marks"]: agreed lost chunks by (DSCP, ECN) of first sending."""
@@ -1028,12 +1105,14 @@ class THCAllreduce:
             fields[1 + self.rank] = 0.0 if self._probe_answered else 1.0
         return fields
 
-    def _follow_path(self, fields) -> None:
+    def _follow_path(self, control) -> None:
         """On the collective: probe at the next call when any worker's probe_interval has
         passed; go back to the aggregator at this call when every worker probed it at the
-        start of this call and got an answer. Every worker reads the same agreed fields."""
+        start of this call and got an answer. Every worker reads the same agreed fields
+        (the control vector's _path_fields)."""
         if not self._on_collective:
             return
+        fields = control[2 * self.world + 4:3 * self.world + 5]
         probed, self._probe_now = self._probe_now, bool(fields[0] > 0)
         if probed:
             self._last_probe = time.monotonic()
@@ -1150,41 +1229,85 @@ class THCAllreduce:
         parts = self.codec.num_partitions(verified[1] - verified[0])
         usable = finite and good_dtype and d == self.verified_sizes[key]
         norms = torch.zeros(parts, dtype=torch.float64)
-        chunk = None
+        chunk = overlap = None
         if usable:
             chunk = self._chunk_values(flat, key, ranges[0], ranges[-1][3])
             norms[:] = torch.from_numpy(np.asarray(chunk.norms, np.float64))
-        vector = torch.cat([norms, self._control_vector(d, finite, good_dtype)])
-        if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
-            vector = vector.to(device)
-        pending = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group,
-                                  async_op=True)
-        if chunk is not None and chunk.rotated is None:
-            chunk.rotated = self.codec.rotate(chunk.x)      # overlaps with the exchange
-        t0 = time.perf_counter()
-        pending.wait()
-        self.seconds["norms"] += time.perf_counter() - t0
-        vector = vector.cpu()
-        self.control_bytes += 8 * (vector.numel() - parts)
-        self._follow_path(vector[parts + 2 * self.world + 4:])
-        if self._raise_on_disagreement(vector[parts:], d, good_dtype, key, dtype):
+            if chunk.rotated is None:
+                def overlap():                                # runs during the exchange
+                    chunk.rotated = self.codec.rotate(chunk.x)
+        head, control = self._control_exchange(
+            norms, lambda: self._control_vector(d, finite, good_dtype), device, overlap)
+        self._follow_path(control)
+        if self._raise_on_disagreement(control, d, good_dtype, key, dtype):
             return _NONFINITE
         if not usable:
             # No error, so every worker has the same new size: chunk 0's norms of the new
             # layout go separately, once.
             return None
         chunk.num_norms = parts
-        chunk.max_norms = vector[:parts].float().to(device)
+        chunk.max_norms = head[:parts].float().to(device)
         if not isinstance(chunk.rotated, torch.Tensor):
             chunk.max_norms = chunk.max_norms.cpu().numpy()
         return chunk
 
+    def _control_exchange(self, norms, make_control, device, overlap=None):
+        """The first collective of every call (and of close()): one MAX exchange of
+        [norms, zero-padded to the norm slots | the control fields]. A rescue asked for in
+        it (_rescue_exchange) is joined, then the exchange is held again, with fields made
+        afresh. Returns the reduced (norm slots, control fields) on the CPU."""
+        slots = self._norm_slots()
+        while True:
+            head = torch.zeros(slots, dtype=torch.float64)
+            if norms is not None:
+                head[:len(norms)] = norms
+            vector = torch.cat([head, make_control()])
+            if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
+                vector = vector.to(device)
+            work = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group,
+                                   async_op=True)
+            if overlap is not None:
+                overlap()
+                overlap = None
+            t0 = time.perf_counter()
+            work.wait()
+            self.seconds["norms"] += time.perf_counter() - t0
+            vector = vector.cpu()
+            self.control_bytes += 8 * (vector.numel() - (0 if norms is None else len(norms)))
+            control = vector[slots:]
+            silent = self._rescued(control)
+            if not silent:
+                return vector[:slots], control
+            self._join_rescue(silent)
+
+    def _norm_slots(self) -> int:
+        """Norms in the first exchange of a call: the most chunk 0 of any tensor size
+        verified so far has, so that the length depends only on what every worker
+        verified (a worker waiting for a redo knows it without knowing the next call)."""
+        slots = 0
+        for size in self.verified_sizes.values():
+            if size not in self._slots_of_size:
+                lo, hi = self.chunk_ranges(size)[0]
+                self._slots_of_size[size] = self.codec.num_partitions(hi - lo)
+            slots = max(slots, self._slots_of_size[size])
+        return slots
+
+    def _control_fields(self) -> int:
+        return 4 * self.world + 5
+
+    def _control_length(self) -> int:
+        return self._norm_slots() + self._control_fields()
+
+    def _rescue_field(self, rank: int) -> int:
+        return 3 * self.world + 5 + rank
+
     def _control_vector(self, d: int, finite: bool, good_dtype: bool) -> torch.Tensor:
         """[bad dtype one-hot (W), bad values one-hot (W), d, -d, chunk, -chunk, fallback
-        fields (1 + W, _path_fields)]; MAX-reduced."""
+        fields (1 + W, _path_fields), rescue one-hot (W, set only by _rescue_exchange)];
+        MAX-reduced."""
         w = self.world
-        control = torch.zeros(3 * w + 5, dtype=torch.float64)
-        control[2 * w + 4:] = torch.tensor(self._path_fields(), dtype=torch.float64)
+        control = torch.zeros(self._control_fields(), dtype=torch.float64)
+        control[2 * w + 4:3 * w + 5] = torch.tensor(self._path_fields(), dtype=torch.float64)
         control[self.rank] = 0.0 if good_dtype else 1.0
         control[w + self.rank] = 0.0 if finite or not good_dtype else 1.0
         control[2 * w], control[2 * w + 1] = d, -d
@@ -1194,17 +1317,11 @@ class THCAllreduce:
 
     def _check_agreement(self, d: int, finite: bool, good_dtype: bool, key: int, device,
                          dtype) -> list[int]:
-        """The control fields alone, in one MAX exchange of fixed length; returns the
+        """The control fields alone (zero norms), in one MAX exchange; returns the
         workers with a non-finite tensor (nonfinite="propagate"; else they raise)."""
-        control = self._control_vector(d, finite, good_dtype)
-        if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
-            control = control.to(device)
-        t0 = time.perf_counter()
-        dist.all_reduce(control, op=dist.ReduceOp.MAX, group=self.group)
-        self.seconds["norms"] += time.perf_counter() - t0
-        self.control_bytes += 8 * control.numel()
-        control = control.cpu()
-        self._follow_path(control[2 * self.world + 4:])
+        _, control = self._control_exchange(
+            None, lambda: self._control_vector(d, finite, good_dtype), device)
+        self._follow_path(control)
         return self._raise_on_disagreement(control, d, good_dtype, key, dtype)
 
     def _raise_on_disagreement(self, control, d, good_dtype, key, dtype) -> list[int]:

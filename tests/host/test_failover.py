@@ -4,6 +4,8 @@ data, the reference UDP service on loopback (dataplane.udp_service.serve), real 
 * The service is stopped at a chosen step and started again (same port) later: every step
   completes, every worker's parameters are identical after each step, the loss goes on
   falling, and the workers go back to the aggregator (its bytes grow again).
+* The service stops answering one worker only (a relay drops its results): the others,
+  who got every sum, join its redo over the collective, with the same parameters after.
 * A worker killed in the middle of a step: the others' backward raises an error that
   names its rank (host.allreduce.WorkerLostError, from a roll call of its heartbeat).
 """
@@ -21,6 +23,7 @@ import pytest
 from dataplane.config import SwitchConfig
 from dataplane.udp_service import serve
 from host.allreduce import HEARTBEAT_INTERVAL, ROLL_CALL_BEATS
+from host.netlab.relay import DOWN, LossyRelay, agg_worker
 
 from hosttest_util import free_port, run_worker_processes
 
@@ -95,17 +98,21 @@ def _train(rank, init, cfg_dict, aggregator, events, queue):
         queue.put((rank, {"crash": traceback.format_exc()}))
 
 
-def _orchestrate(svc_box, port, cfg, events):
-    """The test's side: stop the service when rank 0 asks, start it again when asked."""
+def _orchestrate(stop, restart, events):
+    """The test's side: stop() when rank 0 asks, restart() when it asks again."""
     stop_request, stopped, restart_request, restarted = events
     if not stop_request.wait(120):
         return
-    svc_box[0].stop()
+    stop()
     stopped.set()
     if not restart_request.wait(120):
         return
-    svc_box[0] = serve(cfg, "127.0.0.1", port)
+    restart()
     restarted.set()
+
+
+def _restart_service(svc_box, cfg, port) -> None:
+    svc_box[0] = serve(cfg, "127.0.0.1", port)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +124,9 @@ def failover_run():
                              pool_size=64)
     svc_box = [serve(cfg, "127.0.0.1", 0)]
     host, port = svc_box[0].address
-    conductor = threading.Thread(target=_orchestrate, args=(svc_box, port, cfg, events),
-                                 daemon=True)
+    conductor = threading.Thread(
+        target=_orchestrate, daemon=True,
+        args=(lambda: svc_box[0].stop(), lambda: _restart_service(svc_box, cfg, port), events))
     conductor.start()
     try:
         yield run_worker_processes(
@@ -175,6 +183,125 @@ def test_the_workers_return_to_the_aggregator_when_it_answers_again(failover_run
     for r in range(WORLD):
         assert failover_run[r]["returns"] == 1
         assert any("answers every worker again" in w for w in failover_run[r]["warnings"])
+
+
+# ------------------------------------------- the aggregator stops answering one worker only
+
+SILENT_RANK = 2
+
+
+@pytest.fixture(scope="module")
+def one_silent_run():
+    """Every worker reaches the service through a relay, which drops the datagrams back to
+    worker SILENT_RANK from step STOP_AT to RESTART_AT: the others get every sum of that
+    step's call (and return from it at once), worker SILENT_RANK times out."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    events = tuple(ctx.Event() for _ in range(4))
+    cut = threading.Event()
+    relay = LossyRelay(("127.0.0.1", 0), lambda d: cut.is_set() and d.direction == DOWN
+                       and d.member == SILENT_RANK, members=WORLD, member_of=agg_worker).start()
+    svc = serve(SwitchConfig.local(addresses=relay.member_addresses, pool_size=64),
+                "127.0.0.1", 0)
+    relay.target = tuple(svc.address)
+    worker_cfg = SwitchConfig.local(addresses=[("127.0.0.1", free_port()) for _ in range(WORLD)],
+                                    pool_size=64)
+    conductor = threading.Thread(target=_orchestrate, args=(cut.set, cut.clear, events),
+                                 daemon=True)
+    conductor.start()
+    aggregator = f"{relay.address[0]}:{relay.address[1]}"
+    try:
+        yield run_worker_processes(
+            _train, lambda r, init, queue: (r, init, worker_cfg.to_dict(), aggregator, events,
+                                            queue), WORLD, seconds=240)
+    finally:
+        for e in events:
+            e.set()
+        conductor.join(10)
+        relay.stop()
+        svc.stop()
+
+
+def test_one_silenced_worker_gets_the_sums_the_others_decoded(one_silent_run):
+    """The workers with every sum returned from the call without waiting for the end
+    agreement, and joined the silenced worker's redo at their next call: the parameters
+    stay identical after every step, and every worker went to the collective and back."""
+    runs = [one_silent_run[r]["steps"] for r in range(WORLD)]
+    assert len({len(steps) for steps in runs}) == 1
+    for i in range(len(runs[0])):
+        assert len({steps[i]["params"] for steps in runs}) == 1, f"step {i} differs"
+    assert len({one_silent_run[r]["fallback_calls"] for r in range(WORLD)}) == 1
+    for r in range(WORLD):
+        out = one_silent_run[r]
+        assert out["fallback_calls"] >= 1
+        assert out["returns"] == 1
+        assert sum("did not answer" in w for w in out["warnings"]) == 1
+        assert not out["steps"][-1]["on_collective"]
+    loss = [s["loss"] for s in runs[0]]
+    assert loss[-1] < loss[STOP_AT - 1] < loss[0]
+
+
+def _silenced_in_the_last_call(rank, init, cfg_dict, aggregator, events, queue):
+    """Two calls; before the second the relay stops passing results to worker SILENT_RANK,
+    so the others' first collective after it is the one in close()."""
+    import torch
+    import torch.distributed as dist
+
+    from host.ddp_hook import thc_hook_state
+    torch.set_num_threads(1)
+    cut_request, cut_done = events
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=60))
+        grad = torch.linspace(-1, 1, 20000) * (rank + 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = thc_hook_state(aggregator=aggregator, job_config=SwitchConfig.from_dict(
+                cfg_dict), timeout=TIMEOUT)
+            first = state.reduce(grad, 0)
+            if rank == 0:
+                cut_request.set()
+                assert cut_done.wait(60)
+            dist.barrier()
+            last = state.reduce(2 * grad, 0)
+            state.close()
+        queue.put((rank, {"first": first.numpy(), "last": last.numpy(),
+                          "fallback_calls": state.allreduce.fallback_calls}))
+    except Exception:
+        queue.put((rank, {"crash": traceback.format_exc()}))
+
+
+def test_a_worker_silenced_in_the_last_call_gets_its_sums_in_close():
+    import numpy as np
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    events = (ctx.Event(), ctx.Event())
+    cut = threading.Event()
+    relay = LossyRelay(("127.0.0.1", 0), lambda d: cut.is_set() and d.direction == DOWN
+                       and d.member == SILENT_RANK, members=WORLD, member_of=agg_worker).start()
+    svc = serve(SwitchConfig.local(addresses=relay.member_addresses, pool_size=64),
+                "127.0.0.1", 0)
+    relay.target = tuple(svc.address)
+    worker_cfg = SwitchConfig.local(addresses=[("127.0.0.1", free_port()) for _ in range(WORLD)],
+                                    pool_size=64)
+    conductor = threading.Thread(
+        target=lambda: events[0].wait(120) and (cut.set() or events[1].set()), daemon=True)
+    conductor.start()
+    aggregator = f"{relay.address[0]}:{relay.address[1]}"
+    try:
+        results = run_worker_processes(
+            _silenced_in_the_last_call,
+            lambda r, init, queue: (r, init, worker_cfg.to_dict(), aggregator, events, queue),
+            WORLD, seconds=120)
+    finally:
+        for e in events:
+            e.set()
+        relay.stop()
+        svc.stop()
+    for r in range(1, WORLD):
+        np.testing.assert_array_equal(results[r]["first"], results[0]["first"])
+        np.testing.assert_array_equal(results[r]["last"], results[0]["last"])
+    assert [results[r]["fallback_calls"] for r in range(WORLD)] == [1] * WORLD
 
 
 # --------------------------------------------------------------------------- a dead worker
