@@ -650,7 +650,9 @@ class THCAllreduce:
         process group: only once no call is pending (THCHookState.close stops the exchange
         thread first)."""
         if destroy_group and self._deferred_calls and self._failed is None:
-            self._closing_exchange()
+            # One still inside the exchange (a worker that has not closed yet) keeps the
+            # group: destroying it waits for that exchange.
+            destroy_group = self._closing_exchange()
         close_exchange = getattr(self.exchange, "close", None)
         if close_exchange is not None:
             close_exchange()
@@ -1001,15 +1003,20 @@ class THCAllreduce:
 
     def _closing_exchange(self) -> None:
         """close() after calls with a deferred end agreement: one last control exchange,
-        so that a worker still waiting for the last call's redo gets it (every worker
-        closes)."""
+        so that a worker still waiting for the last call's redo gets it. Every worker
+        closes; one that does not within start_timeout seconds only costs a warning.
+        Returns whether the exchange completed."""
         device = torch.device("cuda" if dist.get_backend(self.group) == "nccl" else "cpu")
         try:
             self._control_exchange(None, lambda: torch.zeros(self._control_fields(),
-                                                             dtype=torch.float64), device)
-        except Exception as exc:      # a worker gone already: nobody left to answer
+                                                             dtype=torch.float64), device,
+                                   timeout=self.start_timeout)
+        except Exception as exc:      # a worker gone already, or not closing in time
             warnings.warn(f"THC: close() could not hold its last control exchange "
-                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3)
+                          f"({type(exc).__name__}: {exc}); THC's process group is left "
+                          "as it is", RuntimeWarning, stacklevel=3)
+            return False
+        return True
 
     def _count_lost_marks(self, missing, tos) -> None:
         """loss_stats["lost_marks"]: agreed lost chunks by (DSCP, ECN) of first sending."""
@@ -1251,11 +1258,12 @@ class THCAllreduce:
             chunk.max_norms = chunk.max_norms.cpu().numpy()
         return chunk
 
-    def _control_exchange(self, norms, make_control, device, overlap=None):
+    def _control_exchange(self, norms, make_control, device, overlap=None, timeout=None):
         """The first collective of every call (and of close()): one MAX exchange of
         [norms, zero-padded to the norm slots | the control fields]. A rescue asked for in
         it (_rescue_exchange) is joined, then the exchange is held again, with fields made
-        afresh. Returns the reduced (norm slots, control fields) on the CPU."""
+        afresh. Returns the reduced (norm slots, control fields) on the CPU. timeout
+        (seconds): at most this long for each exchange (default: the group's)."""
         slots = self._norm_slots()
         while True:
             head = torch.zeros(slots, dtype=torch.float64)
@@ -1270,7 +1278,10 @@ class THCAllreduce:
                 overlap()
                 overlap = None
             t0 = time.perf_counter()
-            work.wait()
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout))
             self.seconds["norms"] += time.perf_counter() - t0
             vector = vector.cpu()
             self.control_bytes += 8 * (vector.numel() - (0 if norms is None else len(norms)))

@@ -304,6 +304,52 @@ def test_a_worker_silenced_in_the_last_call_gets_its_sums_in_close():
     assert [results[r]["fallback_calls"] for r in range(WORLD)] == [1] * WORLD
 
 
+def _one_worker_does_not_close(rank, init, cfg_dict, aggregator, events, queue):
+    """Worker 1 waits to close until worker 0's close() has returned."""
+    import torch
+    import torch.distributed as dist
+
+    from host.ddp_hook import thc_hook_state
+    torch.set_num_threads(1)
+    closed_0, _ = events
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        state = thc_hook_state(aggregator=aggregator, job_config=SwitchConfig.from_dict(
+            cfg_dict), timeout=TIMEOUT, start_timeout=CLOSE_WAIT)
+        state.reduce(torch.ones(5000), 0)
+        if rank == 1:
+            assert closed_0.wait(60)
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state.close()
+        if rank == 0:
+            closed_0.set()
+        queue.put((rank, {"seconds": time.monotonic() - t0,
+                          "warnings": [str(w.message) for w in caught]}))
+    except Exception:
+        queue.put((rank, {"crash": traceback.format_exc()}))
+
+
+CLOSE_WAIT = 3.0
+
+
+def test_close_waits_for_the_others_at_most_start_timeout():
+    import torch.multiprocessing as mp
+    events = (mp.get_context("forkserver").Event(), None)
+    cfg = SwitchConfig.local(addresses=[("127.0.0.1", free_port()) for _ in range(2)],
+                             pool_size=8)
+    with serve(cfg, "127.0.0.1", 0) as svc:
+        aggregator = f"{svc.address[0]}:{svc.address[1]}"
+        results = run_worker_processes(
+            _one_worker_does_not_close,
+            lambda r, init, queue: (r, init, cfg.to_dict(), aggregator, events, queue), 2,
+            seconds=120)
+    assert CLOSE_WAIT <= results[0]["seconds"] < CLOSE_WAIT + 10, results[0]
+    assert any("last control exchange" in w for w in results[0]["warnings"]), results[0]
+
+
 # --------------------------------------------------------------------------- a dead worker
 
 KILL_AT = 3
