@@ -73,6 +73,7 @@ from thc.layout import Layout
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
 CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
+RESCUE_LACKING, RESCUE_SILENT = 1.0, 2.0   # a worker's rescue field (_rescue_exchange)
 PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
 CALL_HISTORY = 100_000                 # call times kept (THCAllreduce.call_seconds)
 FALLBACKS = ("collective", "raise")    # THCAllreduce(fallback=): when the aggregator is silent
@@ -640,7 +641,6 @@ class THCAllreduce:
         self._failed: BaseException | None = None
         # Exact calls on THC's own group end without an agreement (_rescue_exchange):
         # the last such call's indices, for a redo a silenced worker may still ask for.
-        self._agreement_deferred = self._own_group and not self.loss_bound
         self._last_call = None
         self._deferred_calls = False           # close() then holds one last control exchange
         self._slots_of_size: dict[int, int] = {}   # tensor size -> norms of its chunk 0
@@ -895,7 +895,7 @@ class THCAllreduce:
         worker), then the workers agree, and the call is redone over the collective."""
         prepared, in_flight = [], []              # prepared, not sent / sent, not decoded
         guarded = isinstance(stream, _GuardedStream)
-        sent = []                                 # guarded: every chunk quantized, for a redo
+        sent = []                        # guarded or bounded: every chunk quantized, for a redo
         bounded = self.loss_bound and not self._on_collective
         upcoming = 0
         if first is not None:
@@ -917,11 +917,12 @@ class THCAllreduce:
             stream.submit(*chunk.padded, chunk.packed, chunk.rotated, max_norms)
             chunk.rotated = None
             in_flight.append(chunk)
-            if guarded:
+            if guarded or bounded:
                 sent.append(chunk)
-            last = k + 1 == len(ranges)
-            while in_flight and not bounded and \
-                    (last or stream.ready(in_flight[0].padded[1])):
+            # Bounded loss decodes a chunk early only once its sums are all in: a chunk
+            # back at any worker is never decoded as lost (_agree_end, _resolve_rescue).
+            last = k + 1 == len(ranges) and not bounded
+            while in_flight and (last or stream.ready(in_flight[0].padded[1])):
                 if not self._decode(stream, in_flight[0], key, mean):
                     break                         # the aggregator did not answer
                 in_flight.pop(0)
@@ -935,27 +936,15 @@ class THCAllreduce:
         if not (guarded or bounded):
             stream.finish()
             return
-        if self._agreement_deferred:
-            self._deferred_calls = True
-            stream.finish()
-            if stream.down is None:
-                # Every sum came back here, so every worker's indices reached the
-                # aggregator: only a worker it stopped answering can still lack its sums,
-                # and it asks in our next control exchange (_rescue_exchange).
-                self._last_call = (sent, key, len(mean), mean.device)
-                return
-            self._last_call = None
-            silent = self._rescue_exchange(stream.down)
-            self._go_to_collective(silent, stream.down)
-            stream.close()
-            self._redo_over_collective(sent, key, mean)
+        if self._own_group and guarded:
+            self._end_without_agreement(stream, sent, in_flight, key, mean, settled)
             return
         # One exchange at the end of the call for both agreements: whether the aggregator
         # answered every worker, and (bounded loss) which chunks anyone lacks.
         t0 = time.perf_counter()
         n_chunks = stream.n_chunks if bounded else 0
-        silent, missing = self._agree_end(stream.down if guarded else None, settled,
-                                          n_chunks, mean.device)
+        silent, lost, partial = self._agree_end(stream.down if guarded else None, settled,
+                                                n_chunks, mean.device)
         elapsed = time.perf_counter() - t0
         self.seconds["agree"] += elapsed
         self.seconds["exchange"] += elapsed
@@ -964,50 +953,120 @@ class THCAllreduce:
             stream.close()
             self._redo_over_collective(sent, key, mean)
             return
+        if partial:
+            # A chunk came back to some workers only: the call's sums over the collective.
+            self._record_missing(np.asarray(settled, bool), np.zeros(n_chunks, bool))
+            stream.close()
+            self._redo_over_collective(sent, key, mean)
+            return
         if bounded:
-            # Decode only once every worker knows the same missing set.
-            self._count_lost_marks(missing, np.concatenate(stream.first_tos))
+            # Decode only once every worker knows the same lost chunks.
+            self._record_missing(np.asarray(settled, bool), lost)
+            self._count_lost_marks(lost, np.concatenate(stream.first_tos))
             for chunk in in_flight:
-                self._decode(stream, chunk, key, mean, missing)
+                self._decode(stream, chunk, key, mean, lost)
         stream.finish()
 
-    def _rescue_exchange(self, down: BaseException) -> list[int]:
-        """This worker's aggregator went silent in a call whose end agreement is deferred:
-        join the other workers' next control exchange (the first collective each makes
-        after the call: the next call's, or close()'s) with only its rescue flag set, and
-        return every worker that set one. Its length is the one they use
-        (_control_length: it depends only on the sizes every worker verified)."""
+    def _end_without_agreement(self, stream, sent, in_flight, key, mean, settled) -> None:
+        """The end of a call on THC's own group. A worker with every sum (bounded loss:
+        nothing missing after settle) decodes and returns at once: every worker's indices
+        reached the aggregator, so only a worker lacking sums can need anything, and it
+        asks in our next control exchange (_rescue_exchange), where we join its
+        resolution (_join_rescue). A worker lacking sums asks now."""
+        self._deferred_calls = True
+        n_chunks = stream.n_chunks
+        if stream.down is None and (settled is None or not settled.any()):
+            if settled is not None:
+                nothing = np.zeros(n_chunks, bool)
+                self._record_missing(settled, nothing)
+                for chunk in in_flight:
+                    self._decode(stream, chunk, key, mean, nothing)
+            stream.finish()
+            self._last_call = (sent, key, len(mean), mean.device, n_chunks)
+            return
+        self._last_call = None
+        silent = stream.down is not None
+        flags = self._rescue_exchange(RESCUE_SILENT if silent else RESCUE_LACKING)
+        have = np.zeros(n_chunks, bool) if silent else ~np.asarray(settled, bool)
+        redo, lost = self._resolve_rescue(flags, have, stream.down)
+        if redo:
+            # Exact everywhere: a worker went silent, or a chunk came back to some workers
+            # only (so workers that have it decoded it already).
+            if settled is not None and not silent:
+                self._record_missing(np.asarray(settled, bool), np.zeros(n_chunks, bool))
+            stream.close()
+            self._redo_over_collective(sent, key, mean)
+            return
+        # Every chunk is either back at every worker or at none: the ones back nowhere
+        # are lost alike everywhere (bounded loss).
+        self._record_missing(np.asarray(settled, bool), lost)
+        self._count_lost_marks(lost, np.concatenate(stream.first_tos))
+        for chunk in in_flight:
+            self._decode(stream, chunk, key, mean, lost)
+        stream.finish()
+
+    def _rescue_exchange(self, flag: float) -> dict[int, float]:
+        """This worker lacks sums of a call that ended without an agreement: join the other
+        workers' next control exchange (the first collective each makes after the call:
+        the next call's, or close()'s) with only its rescue field set (RESCUE_LACKING,
+        or RESCUE_SILENT when the aggregator stopped answering it), and return every
+        worker's flag. Its length is the one they use (_control_length: it depends only on
+        the sizes every worker verified)."""
         vector = torch.zeros(self._control_length(), dtype=torch.float64)
-        vector[self._norm_slots() + self._rescue_field(self.rank)] = 1.0
+        vector[self._norm_slots() + self._rescue_field(self.rank)] = flag
         if dist.get_backend(self.group) == "nccl":
             vector = vector.cuda()
         dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
         self.control_bytes += 8 * vector.numel()
         return self._rescued(vector.cpu()[self._norm_slots():])
 
-    def _rescued(self, control) -> list[int]:
-        return [r for r in range(self.world) if control[self._rescue_field(r)] > 0]
+    def _rescued(self, control) -> dict[int, float]:
+        fields = [float(control[self._rescue_field(r)]) for r in range(self.world)]
+        return {r: f for r, f in enumerate(fields) if f > 0}
 
-    def _join_rescue(self, silent: list[int]) -> None:
-        """Workers the aggregator stopped answering in the last call asked for its redo:
-        go to the collective with them and give them the sums (every chunk was decoded
-        here, so nothing here changes)."""
-        self._go_to_collective(silent, None)
+    def _resolve_rescue(self, flags: dict, have: np.ndarray, down=None):
+        """After a rescue exchange, every worker alike: one MAX exchange of [chunks back
+        here | chunks missing here] of the last call. Returns (redo, lost): redo over the
+        collective when a worker went silent or a chunk is back at some workers but not at
+        all (every worker then decodes the collective's sums: exact); otherwise the chunks
+        back nowhere are lost (bounded loss)."""
+        silent = sorted(r for r, f in flags.items() if f >= RESCUE_SILENT)
+        if silent:
+            self._go_to_collective(silent, down)
+        vector = torch.from_numpy(np.concatenate([have, ~have]).astype(np.uint8))
+        if dist.get_backend(self.group) == "nccl":
+            vector = vector.cuda()
+        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        self.control_bytes += vector.numel()
+        vector = vector.cpu().numpy().astype(bool)
+        n = len(have)
+        back_somewhere, missing_somewhere = vector[:n], vector[n:]
+        redo = bool(silent) or bool(np.any(back_somewhere & missing_somewhere))
+        return redo, ~back_somewhere
+
+    def _join_rescue(self, flags: dict) -> None:
+        """Workers that lack sums of the last call asked for help in this control exchange:
+        resolve it with them (_resolve_rescue) and, when they need it, give them the sums
+        over the collective (every chunk was decoded here, so nothing here changes)."""
         last, self._last_call = self._last_call, None
         if last is None:
             raise AllreduceError(
-                f"worker(s) {silent} ask for a redo of the last THC call, which this worker "
-                "did not keep: every worker must use the same loss_bound and process group")
-        sent, key, d, device = last
-        self._redo_over_collective(sent, key, torch.empty(d, device=device))
+                f"worker(s) {sorted(flags)} ask for help with the last THC call, which this "
+                "worker did not keep: every worker must use the same process group")
+        sent, key, d, device, n_chunks = last
+        redo, _ = self._resolve_rescue(flags, np.ones(n_chunks, bool))
+        if redo:
+            self._redo_over_collective(sent, key, torch.empty(d, device=device))
 
     def _closing_exchange(self) -> None:
         """close() after calls with a deferred end agreement: one last control exchange,
         so that a worker still waiting for the last call's redo gets it. Every worker
         closes; one that does not within start_timeout seconds only costs a warning.
         Returns whether the exchange completed."""
-        device = torch.device("cuda" if dist.get_backend(self.group) == "nccl" else "cpu")
+        if not dist.is_initialized():
+            return False              # the process group is gone already (destroyed)
         try:
+            device = torch.device("cuda" if dist.get_backend(self.group) == "nccl" else "cpu")
             self._control_exchange(None, lambda: torch.zeros(self._control_fields(),
                                                              dtype=torch.float64), device,
                                    timeout=self.start_timeout)
@@ -1027,26 +1086,28 @@ class THCAllreduce:
 
     def _agree_end(self, down: BaseException | None, settled, n_chunks: int, device):
         """The end-of-call agreement, one MAX exchange of bytes over the process group (the
-        control channel): [aggregator silent here? (one byte per worker) | this worker's
-        missing chunks (one byte per chunk, bounded loss)]. Returns (the workers the
-        aggregator did not answer, the union of every worker's missing chunks or None):
-        a chunk that any worker lacks is decoded as lost by all, so every worker decodes
-        the same result. A worker whose aggregator went silent sends no missing chunks."""
-        vector = torch.zeros(self.world + n_chunks, dtype=torch.uint8)
+        control channel): [aggregator silent here? (one byte per worker) | chunks back here
+        | chunks missing here (one byte per chunk each, bounded loss)]. Returns (the
+        workers the aggregator did not answer, the chunks back nowhere: lost alike on
+        every worker, whether a chunk is back at some workers only: then the call is
+        redone over the collective). A silent worker sends no chunks."""
+        w = self.world
+        vector = torch.zeros(w + 2 * n_chunks, dtype=torch.uint8)
         vector[self.rank] = down is not None
-        if n_chunks and settled is not None:
-            vector[self.world:] = torch.from_numpy(np.ascontiguousarray(settled, np.uint8))
+        if n_chunks and settled is not None and down is None:
+            missing = np.asarray(settled, bool)
+            vector[w:] = torch.from_numpy(np.concatenate([~missing, missing]).astype(np.uint8))
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             vector = vector.to(device)
         dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
         self.control_bytes += vector.numel()
         vector = vector.cpu()
-        silent = torch.nonzero(vector[:self.world]).flatten().tolist()
+        silent = torch.nonzero(vector[:w]).flatten().tolist()
         if silent or not n_chunks:
-            return silent, None
-        agreed = vector[self.world:].numpy().astype(bool)
-        self._record_missing(np.asarray(settled, bool), agreed)
-        return silent, agreed
+            return silent, None, False
+        back = vector[w:w + n_chunks].numpy().astype(bool)
+        missing_somewhere = vector[w + n_chunks:].numpy().astype(bool)
+        return silent, ~back, bool(np.any(back & missing_somewhere))
 
     def _record_missing(self, mine: np.ndarray, agreed: np.ndarray) -> None:
         self.last_missing = agreed
@@ -1286,10 +1347,10 @@ class THCAllreduce:
             vector = vector.cpu()
             self.control_bytes += 8 * (vector.numel() - (0 if norms is None else len(norms)))
             control = vector[slots:]
-            silent = self._rescued(control)
-            if not silent:
+            flags = self._rescued(control)
+            if not flags:
                 return vector[:slots], control
-            self._join_rescue(silent)
+            self._join_rescue(flags)
 
     def _norm_slots(self) -> int:
         """Norms in the first exchange of a call: the most chunk 0 of any tensor size

@@ -369,10 +369,10 @@ def thc_hook_state(*, aggregator=None, job_config=None, job: int = 1,
     loss_bound: DLCP's bounded loss p on the in-network path (0 = exact, the default): a
     tensor may finish once (1 - p) of its chunks came back with every contributor; after
     one re-request of the others and loss_wait retransmission timeouts (default 2; 0 =
-    finish at once, as DLCP's receiver does) the rest decodes as zero in the rotated
-    domain, every worker agreeing on the same lost chunks first, and each worker's own
-    share of them goes back into its error feedback (docs/dlcp.md, "DLCP on the
-    in-network THC path"). nonfinite: "raise" (default: a NaN/Inf gradient on any worker
+    finish at once, as DLCP's receiver does) the chunks back at no worker decode as zero
+    in the rotated domain on every worker, each worker's own share of them going back into
+    its error feedback; a chunk back at some workers only makes the call's sums come over
+    the collective (docs/dlcp.md, "DLCP on the in-network THC path"). nonfinite: "raise" (default: a NaN/Inf gradient on any worker
     makes every worker's backward raise thc.NonFiniteError) or "propagate" (every worker's
     averaged bucket is all inf for that step, error feedback untouched: what a
     torch.amp.GradScaler needs to skip the step everywhere).
