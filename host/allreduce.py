@@ -557,12 +557,13 @@ class THCAllreduce:
     at the end of the call and, with "collective", redoes the call's integer sums over the
     process group (SumAllreduceExchange) from the very indices it sent, so the mean and the
     error feedback are the ones the aggregator would have given; it warns once and stays on
-    the collective. On THC's own process group (group=None) and without bounded loss that
-    exchange costs nothing when every worker got its sums: a worker that got them returns
-    at once, and one the aggregator stopped answering asks the others for the redo in their
-    next control exchange (or in close(), which every worker calls), the first collective
-    each of them makes after the call (_rescue_exchange). Until then `on_collective` of the
-    workers that got their sums still says where that call went. Every probe_interval seconds (any worker's clock, agreed in the control
+    the collective. On THC's own process group (group=None) that exchange costs nothing
+    while every worker gets all its sums: a worker that got them returns at once, and one
+    that lacks some (the aggregator stopped answering it, or bounded loss gave chunks up)
+    asks the others in their next control exchange (or in close(), which every worker
+    calls), the first collective each of them makes after the call (_rescue_exchange).
+    Until then `on_collective` of the workers that got their sums still says where that
+    call went. Every probe_interval seconds (any worker's clock, agreed in the control
     exchange) each worker probes the aggregator at the next call
     (AggregatorTransport.probe); when every probe is answered, all go back to it at that
     call, after a FLUSH of the job's slots. "raise": the call raises, as without fallback.
@@ -639,8 +640,8 @@ class THCAllreduce:
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None
-        # Exact calls on THC's own group end without an agreement (_rescue_exchange):
-        # the last such call's indices, for a redo a silenced worker may still ask for.
+        # Calls on THC's own group end without an agreement (_end_without_agreement):
+        # the last such call's indices, for a redo a worker lacking sums may ask for.
         self._last_call = None
         self._deferred_calls = False           # close() then holds one last control exchange
         self._slots_of_size: dict[int, int] = {}   # tensor size -> norms of its chunk 0
@@ -986,9 +987,11 @@ class THCAllreduce:
             return
         self._last_call = None
         silent = stream.down is not None
+        t0 = time.perf_counter()
         flags = self._rescue_exchange(RESCUE_SILENT if silent else RESCUE_LACKING)
         have = np.zeros(n_chunks, bool) if silent else ~np.asarray(settled, bool)
         redo, lost = self._resolve_rescue(flags, have, stream.down)
+        self.seconds["agree"] += time.perf_counter() - t0
         if redo:
             # Exact everywhere: a worker went silent, or a chunk came back to some workers
             # only (so workers that have it decoded it already).
@@ -1058,7 +1061,7 @@ class THCAllreduce:
         if redo:
             self._redo_over_collective(sent, key, torch.empty(d, device=device))
 
-    def _closing_exchange(self) -> None:
+    def _closing_exchange(self) -> bool:
         """close() after calls with a deferred end agreement: one last control exchange,
         so that a worker still waiting for the last call's redo gets it. Every worker
         closes; one that does not within start_timeout seconds only costs a warning.
