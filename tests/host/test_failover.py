@@ -190,14 +190,9 @@ def test_the_workers_return_to_the_aggregator_when_it_answers_again(failover_run
 SILENT_RANK = 2
 
 
-@pytest.fixture(scope="module")
-def one_silent_run():
-    """Every worker reaches the service through a relay, which drops the datagrams back to
-    worker SILENT_RANK from step STOP_AT to RESTART_AT: the others get every sum of that
-    step's call (and return from it at once), worker SILENT_RANK times out."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    events = tuple(ctx.Event() for _ in range(4))
+def _service_behind_a_cutting_relay():
+    """The reference service behind a relay that drops every datagram back to worker
+    SILENT_RANK while `cut` is set; the workers' own job description."""
     cut = threading.Event()
     relay = LossyRelay(("127.0.0.1", 0), lambda d: cut.is_set() and d.direction == DOWN
                        and d.member == SILENT_RANK, members=WORLD, member_of=agg_worker).start()
@@ -206,6 +201,18 @@ def one_silent_run():
     relay.target = tuple(svc.address)
     worker_cfg = SwitchConfig.local(addresses=[("127.0.0.1", free_port()) for _ in range(WORLD)],
                                     pool_size=64)
+    return cut, relay, svc, worker_cfg
+
+
+@pytest.fixture(scope="module")
+def one_silent_run():
+    """Every worker reaches the service through a relay, which drops the datagrams back to
+    worker SILENT_RANK from step STOP_AT to RESTART_AT: the others get every sum of that
+    step's call (and return from it at once), worker SILENT_RANK times out."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    events = tuple(ctx.Event() for _ in range(4))
+    cut, relay, svc, worker_cfg = _service_behind_a_cutting_relay()
     conductor = threading.Thread(target=_orchestrate, args=(cut.set, cut.clear, events),
                                  daemon=True)
     conductor.start()
@@ -276,14 +283,7 @@ def test_a_worker_silenced_in_the_last_call_gets_its_sums_in_close():
     import torch.multiprocessing as mp
     ctx = mp.get_context("forkserver")
     events = (ctx.Event(), ctx.Event())
-    cut = threading.Event()
-    relay = LossyRelay(("127.0.0.1", 0), lambda d: cut.is_set() and d.direction == DOWN
-                       and d.member == SILENT_RANK, members=WORLD, member_of=agg_worker).start()
-    svc = serve(SwitchConfig.local(addresses=relay.member_addresses, pool_size=64),
-                "127.0.0.1", 0)
-    relay.target = tuple(svc.address)
-    worker_cfg = SwitchConfig.local(addresses=[("127.0.0.1", free_port()) for _ in range(WORLD)],
-                                    pool_size=64)
+    cut, relay, svc, worker_cfg = _service_behind_a_cutting_relay()
     conductor = threading.Thread(
         target=lambda: events[0].wait(120) and (cut.set() or events[1].set()), daemon=True)
     conductor.start()
