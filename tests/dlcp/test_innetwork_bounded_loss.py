@@ -9,6 +9,8 @@ behind a lossy relay, three worker processes (gloo process group for the agreeme
   and 2 only, plus 2 % random loss both ways. The workers that got every sum return at
   once; worker 1 asks for the call's sums over the collective, so every worker decodes the
   exact result.
+* On a process group of the caller's (the agreement at the end of every call, fallback
+  "raise") both cases decode what THC's own group decodes.
 """
 import datetime
 import socket
@@ -102,6 +104,14 @@ def _worker(rank, init, lossy, exact, own, queue):
         out["ef_error"] = np.asarray(ef.allreduce.error_feedback.error(0)).copy()
         out["ef_missing"] = ef.allreduce.last_missing.copy()
         out["rotated"] = np.asarray(codec.rotate(g.numpy()))
+        ef.allreduce.exchange.transport.close()
+        # On a process group of the caller's the agreement runs at the end of the call
+        # (the same rule); fallback="raise": the call is not guarded.
+        caller = thc_hook_state(aggregator=lossy, job_config=own, codec=codec, pool_size=64,
+                                timeout=10, error_feedback=False, values_per_packet=VPP,
+                                loss_bound=LOSS_BOUND, fallback="raise",
+                                group=dist.new_group(backend="gloo"))
+        out["caller_group"] = caller.reduce(g, 0).numpy()
         queue.put((rank, out))
         dist.destroy_process_group()
     except Exception:
@@ -191,6 +201,14 @@ def test_every_worker_decodes_the_same_bounded_result(run):
     for r in range(WORLD):
         assert np.array_equal(results[r]["bounded"], results[0]["bounded"]), r
         assert np.array_equal(results[r]["exact"], results[0]["exact"]), r
+
+
+def test_the_agreement_at_the_end_of_the_call_decides_alike(run, partial_run):
+    """A caller's process group: the end-of-call agreement gives what THC's own group's
+    deferred one gives, chunk lost everywhere and chunk back at some workers alike."""
+    for results, _ in (run, partial_run):
+        for r in range(WORLD):
+            assert np.array_equal(results[r]["caller_group"], results[r]["bounded"]), r
 
 
 def test_a_chunk_back_at_some_workers_only_makes_every_worker_decode_the_exact_sums(
