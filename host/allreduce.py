@@ -563,7 +563,8 @@ class THCAllreduce:
     asks the others in their next control exchange (or in close(), which every worker
     calls), the first collective each of them makes after the call (_rescue_exchange).
     Until then `on_collective` of the workers that got their sums still says where that
-    call went. Every probe_interval seconds (any worker's clock, agreed in the control
+    call went. defer_end_agreement = False puts the agreement back at the end of every
+    call (host.fsdp does: its own max-norm exchange shares the group). Every probe_interval seconds (any worker's clock, agreed in the control
     exchange) each worker probes the aggregator at the next call
     (AggregatorTransport.probe); when every probe is answered, all go back to it at that
     call, after a FLUSH of the job's slots. "raise": the call raises, as without fallback.
@@ -644,6 +645,9 @@ class THCAllreduce:
         # the last such call's indices, for a redo a worker lacking sums may ask for.
         self._last_call = None
         self._deferred_calls = False           # close() then holds one last control exchange
+        # False: every call ends with its agreement, as on a caller's group (a user of the
+        # group between calls: host.fsdp's reduce-scatter)
+        self.defer_end_agreement = True
         self._slots_of_size: dict[int, int] = {}   # tensor size -> norms of its chunk 0
 
     def close(self, destroy_group: bool = True) -> None:
@@ -937,7 +941,7 @@ class THCAllreduce:
         if not (guarded or bounded):
             stream.finish()
             return
-        if self._own_group and guarded:
+        if self._own_group and guarded and self.defer_end_agreement:
             self._end_without_agreement(stream, sent, in_flight, key, mean, settled)
             return
         # One exchange at the end of the call for both agreements: whether the aggregator

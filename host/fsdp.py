@@ -103,6 +103,10 @@ class THCReduceScatter(ReduceScatter):
         if not 0 <= layer < num_layers:
             raise ValueError(f"layer must be in 0..num_layers-1, got layer={layer}, "
                              f"num_layers={num_layers}")
+        # Its own collectives on the state's group (the max-norm exchange) must not meet a
+        # worker still asking for a THC call's sums there: calls on this state end with
+        # their agreement (THCAllreduce.defer_end_agreement).
+        allreduce.defer_end_agreement = False
         self.allreduce = allreduce
         self.key = FSDP_KEY_BASE + next(_NEXT_KEY.setdefault(allreduce, itertools.count()))
         self.layer, self.num_layers = layer, num_layers

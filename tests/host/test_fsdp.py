@@ -57,6 +57,8 @@ def _reduce_scatter_scenarios(rank, aggregator, job_path):
     rs_gloo, rs_agg, rs_sum = (THCReduceScatter(gloo), THCReduceScatter(agg),
                                THCReduceScatter(gloo))
     out["keys"] = [rs_gloo.key, rs_agg.key, rs_sum.key]
+    # Its max-norm exchange shares the state's group: calls on it keep their end agreement.
+    out["defers_end_agreement"] = agg.allreduce.defer_end_agreement
     for name, rs, op in (("gloo", rs_gloo, dist.ReduceOp.AVG), ("agg", rs_agg, dist.ReduceOp.AVG),
                          ("gloo_sum", rs_sum, dist.ReduceOp.SUM)):
         y = rs.allocate((SHARD,), dtype=torch.float32, device=torch.device("cpu"))
@@ -195,6 +197,7 @@ def test_each_rank_decodes_its_own_shard_exactly_as_thc_would(scenarios):
         assert dtype == "torch.bfloat16"
         true_mean = np.mean(inputs, axis=0)[r * SHARD:(r + 1) * SHARD]
         assert np.sum((half - true_mean) ** 2) / np.sum(true_mean ** 2) < 0.05
+        assert out["defers_end_agreement"] is False
     assert counters["results_multicast"] > 0 and counters["drop_not_member"] == 0
 
 
