@@ -73,7 +73,6 @@ from thc.layout import Layout
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
 CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
-RESCUE_LACKING, RESCUE_SILENT = 1.0, 2.0   # a worker's rescue field (_rescue_exchange)
 PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
 CALL_HISTORY = 100_000                 # call times kept (THCAllreduce.call_seconds)
 FALLBACKS = ("collective", "raise")    # THCAllreduce(fallback=): when the aggregator is silent
@@ -641,7 +640,7 @@ class THCAllreduce:
         self.start_timeout = start_timeout
         self._started = False
         self._failed: BaseException | None = None
-        # Calls on THC's own group end without an agreement (_end_without_agreement):
+        # Calls on THC's own group end without an agreement (_end_with_every_sum):
         # the last such call's indices, for a redo a worker lacking sums may ask for.
         self._last_call = None
         self._deferred_calls = False           # close() then holds one last control exchange
@@ -925,7 +924,7 @@ class THCAllreduce:
             if guarded or bounded:
                 sent.append(chunk)
             # Bounded loss decodes a chunk early only once its sums are all in: a chunk
-            # back at any worker is never decoded as lost (_agree_end, _resolve_rescue).
+            # back at any worker is never decoded as lost (_agree_end).
             last = k + 1 == len(ranges) and not bounded
             while in_flight and (last or stream.ready(in_flight[0].padded[1])):
                 if not self._decode(stream, in_flight[0], key, mean):
@@ -941,13 +940,20 @@ class THCAllreduce:
         if not (guarded or bounded):
             stream.finish()
             return
-        if self._own_group and guarded and self.defer_end_agreement:
-            self._end_without_agreement(stream, sent, in_flight, key, mean, settled)
-            return
-        # One exchange at the end of the call for both agreements: whether the aggregator
-        # answered every worker, and (bounded loss) which chunks anyone lacks.
-        t0 = time.perf_counter()
         n_chunks = stream.n_chunks if bounded else 0
+        t0 = time.perf_counter()
+        if self._own_group and guarded and self.defer_end_agreement:
+            self._deferred_calls = True
+            if stream.down is None and (settled is None or not settled.any()):
+                self._end_with_every_sum(stream, sent, in_flight, key, mean, settled,
+                                         n_chunks)
+                return
+            # This worker lacks sums: the others hold the agreement with it in their next
+            # control exchange, once it asks there.
+            self._last_call = None
+            self._rescue_exchange()
+        # One exchange at the end of the call for both agreements: whether the aggregator
+        # answered every worker, and (bounded loss) which chunks are back where.
         silent, lost, partial = self._agree_end(stream.down if guarded else None, settled,
                                                 n_chunks, mean.device)
         elapsed = time.perf_counter() - t0
@@ -972,97 +978,53 @@ class THCAllreduce:
                 self._decode(stream, chunk, key, mean, lost)
         stream.finish()
 
-    def _end_without_agreement(self, stream, sent, in_flight, key, mean, settled) -> None:
-        """The end of a call on THC's own group. A worker with every sum (bounded loss:
-        nothing missing after settle) decodes and returns at once: every worker's indices
-        reached the aggregator, so only a worker lacking sums can need anything, and it
-        asks in our next control exchange (_rescue_exchange), where we join its
-        resolution (_join_rescue). A worker lacking sums asks now."""
-        self._deferred_calls = True
-        n_chunks = stream.n_chunks
-        if stream.down is None and (settled is None or not settled.any()):
-            if settled is not None:
-                nothing = np.zeros(n_chunks, bool)
-                self._record_missing(settled, nothing)
-                for chunk in in_flight:
-                    self._decode(stream, chunk, key, mean, nothing)
-            stream.finish()
-            self._last_call = (sent, key, len(mean), mean.device, n_chunks)
-            return
-        self._last_call = None
-        silent = stream.down is not None
-        t0 = time.perf_counter()
-        flags = self._rescue_exchange(RESCUE_SILENT if silent else RESCUE_LACKING)
-        have = np.zeros(n_chunks, bool) if silent else ~np.asarray(settled, bool)
-        redo, lost = self._resolve_rescue(flags, have, stream.down)
-        self.seconds["agree"] += time.perf_counter() - t0
-        if redo:
-            # Exact everywhere: a worker went silent, or a chunk came back to some workers
-            # only (so workers that have it decoded it already).
-            if settled is not None and not silent:
-                self._record_missing(np.asarray(settled, bool), np.zeros(n_chunks, bool))
-            stream.close()
-            self._redo_over_collective(sent, key, mean)
-            return
-        # Every chunk is either back at every worker or at none: the ones back nowhere
-        # are lost alike everywhere (bounded loss).
-        self._record_missing(np.asarray(settled, bool), lost)
-        self._count_lost_marks(lost, np.concatenate(stream.first_tos))
-        for chunk in in_flight:
-            self._decode(stream, chunk, key, mean, lost)
+    def _end_with_every_sum(self, stream, sent, in_flight, key, mean, settled,
+                            n_chunks: int) -> None:
+        """The end of a call on THC's own group whose sums all came back here (bounded
+        loss: nothing missing after settle): decode and return without a collective.
+        Every worker's indices reached the aggregator, so only a worker lacking sums can
+        need anything; it asks in our next control exchange (_rescue_exchange), where we
+        join the end agreement it holds (_join_rescue) with the indices kept here."""
+        if settled is not None:
+            nothing = np.zeros(n_chunks, bool)
+            self._record_missing(settled, nothing)
+            for chunk in in_flight:
+                self._decode(stream, chunk, key, mean, nothing)
         stream.finish()
+        self._last_call = (sent, key, len(mean), mean.device, n_chunks)
 
-    def _rescue_exchange(self, flag: float) -> dict[int, float]:
+    def _rescue_exchange(self) -> None:
         """This worker lacks sums of a call that ended without an agreement: join the other
         workers' next control exchange (the first collective each makes after the call:
-        the next call's, or close()'s) with only its rescue field set (RESCUE_LACKING,
-        or RESCUE_SILENT when the aggregator stopped answering it), and return every
-        worker's flag. Its length is the one they use (_control_length: it depends only on
-        the sizes every worker verified)."""
+        the next call's, or close()'s) with only its rescue field set, so that they hold
+        the end agreement (_agree_end) with it. Its length is the one they use
+        (_control_length: it depends only on the sizes every worker verified)."""
         vector = torch.zeros(self._control_length(), dtype=torch.float64)
-        vector[self._norm_slots() + self._rescue_field(self.rank)] = flag
+        vector[self._norm_slots() + self._rescue_field(self.rank)] = 1.0
         if dist.get_backend(self.group) == "nccl":
             vector = vector.cuda()
         dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
         self.control_bytes += 8 * vector.numel()
-        return self._rescued(vector.cpu()[self._norm_slots():])
 
-    def _rescued(self, control) -> dict[int, float]:
-        fields = [float(control[self._rescue_field(r)]) for r in range(self.world)]
-        return {r: f for r, f in enumerate(fields) if f > 0}
+    def _rescued(self, control) -> list[int]:
+        """The workers that asked for the end agreement of the last call (_rescue_exchange)."""
+        return [r for r in range(self.world) if control[self._rescue_field(r)] > 0]
 
-    def _resolve_rescue(self, flags: dict, have: np.ndarray, down=None):
-        """After a rescue exchange, every worker alike: one MAX exchange of [chunks back
-        here | chunks missing here] of the last call. Returns (redo, lost): redo over the
-        collective when a worker went silent or a chunk is back at some workers but not at
-        all (every worker then decodes the collective's sums: exact); otherwise the chunks
-        back nowhere are lost (bounded loss)."""
-        silent = sorted(r for r, f in flags.items() if f >= RESCUE_SILENT)
-        if silent:
-            self._go_to_collective(silent, down)
-        vector = torch.from_numpy(np.concatenate([have, ~have]).astype(np.uint8))
-        if dist.get_backend(self.group) == "nccl":
-            vector = vector.cuda()
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
-        self.control_bytes += vector.numel()
-        vector = vector.cpu().numpy().astype(bool)
-        n = len(have)
-        back_somewhere, missing_somewhere = vector[:n], vector[n:]
-        redo = bool(silent) or bool(np.any(back_somewhere & missing_somewhere))
-        return redo, ~back_somewhere
-
-    def _join_rescue(self, flags: dict) -> None:
-        """Workers that lack sums of the last call asked for help in this control exchange:
-        resolve it with them (_resolve_rescue) and, when they need it, give them the sums
-        over the collective (every chunk was decoded here, so nothing here changes)."""
+    def _join_rescue(self, asking: list[int]) -> None:
+        """Workers that lack sums of the last call asked in this control exchange: hold
+        its end agreement with them, as a worker with every chunk, and give them the sums
+        over the collective when it says so (every chunk was decoded here, so nothing here
+        changes)."""
         last, self._last_call = self._last_call, None
         if last is None:
             raise AllreduceError(
-                f"worker(s) {sorted(flags)} ask for help with the last THC call, which this "
+                f"worker(s) {asking} ask for help with the last THC call, which this "
                 "worker did not keep: every worker must use the same process group")
         sent, key, d, device, n_chunks = last
-        redo, _ = self._resolve_rescue(flags, np.ones(n_chunks, bool))
-        if redo:
+        silent, _, partial = self._agree_end(None, np.zeros(n_chunks, bool), n_chunks, device)
+        if silent:
+            self._go_to_collective(silent, None)
+        if silent or partial:
             self._redo_over_collective(sent, key, torch.empty(d, device=device))
 
     def _closing_exchange(self) -> bool:
@@ -1354,10 +1316,10 @@ class THCAllreduce:
             vector = vector.cpu()
             self.control_bytes += 8 * (vector.numel() - (0 if norms is None else len(norms)))
             control = vector[slots:]
-            flags = self._rescued(control)
-            if not flags:
+            asking = self._rescued(control)
+            if not asking:
                 return vector[:slots], control
-            self._join_rescue(flags)
+            self._join_rescue(asking)
 
     def _norm_slots(self) -> int:
         """Norms in the first exchange of a call: the most chunk 0 of any tensor size
