@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dataplane.config import DEFAULT_VALUES_PER_PACKET
+from dataplane.config import CONTROL_DSCP, DEFAULT_VALUES_PER_PACKET
 from host import native as native_datapath
 from host.datagram import (SOCKET_BUFFER_BYTES, DatagramSocket, PacketRows,  # noqa: F401
                            gso_available, mmsg_available)
@@ -58,6 +58,9 @@ IP_UDP_HEADERS = 28            # IPv4 + UDP header bytes in front of the AGG hea
 PROBE_NONE = -1                # no probe answer (yet) for a chunk
 PROBE_TENSOR = 0xFFFFFFFF      # tensor id of AggregatorTransport.probe's DATA
 PROBE_WAIT = 0.25              # seconds a probe waits for the aggregator's answer
+# FLUSH travels in DLCP's control class (docs/protocol.md §4.6): served before every data
+# band, so a flush sent before a stream's DATA is not overtaken by it in a queue.
+FLUSH_TOS = CONTROL_DSCP << 2
 EVERY_ROUND = -1               # a background waiter's own predicate: look after every round
 RTT_SAMPLES_KEPT = 4096        # TransportStats keeps the most recent RTT samples
 RESULT_MODERATION_S = 250e-6   # the native loop's pause for RESULTs to gather (docs/perf.md)
@@ -342,7 +345,8 @@ class AggregatorTransport:
         hdr["worker"] = self.worker
         hdr["expected"] = self.expected
         packets = PacketRows(np.ascontiguousarray(encode_headers(hdr)),
-                             np.full(self.pool_size, HEADER_LEN))
+                             np.full(self.pool_size, HEADER_LEN),
+                             np.full(self.pool_size, FLUSH_TOS))
         for _ in range(repeats):
             self._send(packets, np.arange(self.pool_size))
         self.slot_rounds[:] = 0
@@ -371,7 +375,8 @@ class AggregatorTransport:
         rows[0, :HEADER_LEN] = encode_headers(flush)[0]
         rows[1] = data[0]
         try:
-            self.io.send(PacketRows(rows, np.array([HEADER_LEN, lengths[0]])), [0, 1])
+            self.io.send(PacketRows(rows, np.array([HEADER_LEN, lengths[0]]),
+                                    np.array([FLUSH_TOS, 0])), [0, 1])
             deadline = time.monotonic() + wait
             while self.io.wait_readable(deadline - time.monotonic()):
                 n = self.io.receive()

@@ -43,6 +43,20 @@ def _gradients():
     return [(rng.standard_normal(D) * scale).astype(np.float32) for _ in range(WORKERS)]
 
 
+def _wait_for_flushes(service, quiet_polls: int = 3, poll: float = 0.05, limit: float = 5.0):
+    """The barrier flush() asks for: the aggregator has taken in every FLUSH that got
+    through the rate-limited queue (its count stopped moving), so none lands after a
+    contribution and resets a slot the workers already count on."""
+    import time
+    last, quiet, deadline = -1, 0, time.monotonic() + limit
+    while quiet < quiet_polls and time.monotonic() < deadline:
+        time.sleep(poll)
+        flushes = service.counters()["jobs"][1]["flushes"]
+        quiet = quiet + 1 if flushes == last else 0
+        last = flushes
+    assert last > 0, "no FLUSH reached the aggregator"
+
+
 @pytest.fixture(scope="module")
 def incast():
     from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
@@ -95,6 +109,7 @@ def incast():
     try:
         for w in range(WORKERS):
             transports[w].flush()
+        _wait_for_flushes(service)
         for mode, tensor in (("exact", 1), ("bounded", 2)):
             before = switch.counters()["global"]
             threads = [threading.Thread(target=worker, args=(w, mode, tensor))
@@ -118,7 +133,7 @@ def incast():
 
 
 def test_exact_sums_reach_every_worker_through_the_congested_queue(incast):
-    assert not incast["errors"], incast["errors"]
+    assert not incast["errors"], "\n".join(incast["errors"])
     codec = incast["codec"]
     expected = np.sum([np.asarray(codec.lookup(p)).astype(np.int64)
                        for p in incast["packed"]], axis=0)
@@ -141,7 +156,7 @@ def test_selective_drops_fall_on_the_unimportant_partitions(incast):
 
 
 def test_bounded_incast_agrees_on_one_missing_set(incast):
-    assert not incast["errors"], incast["errors"]
+    assert not incast["errors"], "\n".join(incast["errors"])
     union = np.any(incast["missing"], axis=0)
     assert union.mean() <= 0.25 + 1e-9
     base_sums, _ = incast["bounded"][0]

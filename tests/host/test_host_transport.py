@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import thc
+from dataplane.config import CONTROL_DSCP
 from host.netlab.relay import LossyRelay, agg_worker, random_loss
 from host.packets import TYPE_DATA, TYPE_FLUSH, decode_headers, encode_results, header_types
 from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
@@ -272,10 +273,14 @@ def test_policy_sets_dscp_and_ecn_per_packet(batched):
 def test_flush_resets_every_slot_of_the_pool():
     agg = FakeAggregatorSocket()
     t = AggregatorTransport(agg.address, job=2, worker=1, expected=0b10, pool_size=5, timeout=1,
-                            policy=constant_policy(48))
+                            policy=constant_policy(33))
     t.slot_rounds[:] = 7
     t.flush(repeats=1)
-    hdr = decode_headers([agg.recv()[0] for _ in range(5)])
+    received = [agg.recv() for _ in range(5)]
+    # In DLCP's control class, whatever the data policy: a DLCP queue serves it before any
+    # data band, so the stream's DATA sent after it cannot overtake it (protocol §4.6).
+    assert {tos for _, tos, _ in received} == {CONTROL_DSCP << 2}
+    hdr = decode_headers([data for data, _, _ in received])
     assert header_types(hdr).tolist() == [TYPE_FLUSH] * 5
     assert sorted(hdr["slot"].tolist()) == [0, 1, 2, 3, 4]
     assert set(hdr["job"].tolist()) == {2} and set(hdr["worker"].tolist()) == {1}
