@@ -966,8 +966,13 @@ class THCAllreduce:
             return
         if partial:
             # A chunk came back to some workers only: the call's sums over the collective.
+            # The stream still finishes (its missing chunks were given up in settle), so
+            # its slots advance as on every other worker: a worker that had every sum
+            # finished its stream, and the aggregator's copies moved on with the rounds
+            # sent; a slot left behind would send a round the aggregator has completed
+            # and be answered with that round's old RESULT, or a straggler notice.
             self._record_missing(np.asarray(settled, bool), np.zeros(n_chunks, bool))
-            stream.close()
+            stream.finish()
             self._redo_over_collective(sent, key, mean)
             return
         if bounded:

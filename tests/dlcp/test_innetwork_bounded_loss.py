@@ -79,13 +79,15 @@ def _worker(rank, init, lossy, exact, own, queue):
                                 timeout=datetime.timedelta(seconds=60))
         codec = thc.THCCodec(seed=5, partition_size=PARTITION)
         g = torch.from_numpy(grad(rank))
+        g_next = torch.from_numpy(grad(rank + WORLD))
         out = {}
         # The exact reference first, on a loss-free aggregator (round 0, no error feedback).
         state = thc_hook_state(aggregator=exact, job_config=own, codec=codec, pool_size=64,
                                timeout=10,
                                error_feedback=False, values_per_packet=VPP)
         out["exact"] = state.reduce(g, 0).numpy()
-        state.allreduce.exchange.transport.close()
+        out["exact_next"] = state.reduce(g_next, 0).numpy()
+        state.close()
         state = thc_hook_state(aggregator=lossy, job_config=own, codec=codec, pool_size=64,
                                timeout=10,
                                error_feedback=False, values_per_packet=VPP,
@@ -95,7 +97,14 @@ def _worker(rank, init, lossy, exact, own, queue):
         out["seconds"] = time.monotonic() - t0
         out["stats"] = dict(state.allreduce.loss_stats)
         out["missing"] = state.allreduce.last_missing.copy()
-        state.allreduce.exchange.transport.close()
+        rounds = state.allreduce.exchange.transport.slot_rounds
+        out["slot_rounds"] = [rounds.copy()]
+        # The same tensor again: its slots must have moved on alike on every worker.
+        out["bounded_next"] = state.reduce(g_next, 0).numpy()
+        out["slot_rounds"].append(rounds.copy())
+        # close(), not only the socket: a worker lacking sums of the last call gets them
+        # in the control exchange close() holds.
+        state.close()
         # With error feedback (rotated domain), a lost chunk's own share is kept.
         ef = thc_hook_state(aggregator=lossy, job_config=own, codec=codec, pool_size=64,
                             timeout=10,
@@ -104,7 +113,7 @@ def _worker(rank, init, lossy, exact, own, queue):
         out["ef_error"] = np.asarray(ef.allreduce.error_feedback.error(0)).copy()
         out["ef_missing"] = ef.allreduce.last_missing.copy()
         out["rotated"] = np.asarray(codec.rotate(g.numpy()))
-        ef.allreduce.exchange.transport.close()
+        ef.close()
         # On a process group of the caller's the agreement runs at the end of the call
         # (the same rule); fallback="raise": the call is not guarded.
         caller = thc_hook_state(aggregator=lossy, job_config=own, codec=codec, pool_size=64,
@@ -112,6 +121,7 @@ def _worker(rank, init, lossy, exact, own, queue):
                                 loss_bound=LOSS_BOUND, fallback="raise",
                                 group=dist.new_group(backend="gloo"))
         out["caller_group"] = caller.reduce(g, 0).numpy()
+        out["caller_next"] = caller.reduce(g_next, 0).numpy()
         queue.put((rank, out))
         dist.destroy_process_group()
     except Exception:
@@ -195,6 +205,13 @@ def partial_run():
     return _run(blackholed, hidden_from_1, loss=0.02)
 
 
+@pytest.fixture(scope="module")
+def hidden_run():
+    """Only one chunk back at workers 0 and 2 only: they end the call with every sum, and
+    worker 1 alone asks for the redo."""
+    return _run(hidden_from_1)
+
+
 def test_every_worker_decodes_the_same_bounded_result(run):
     results, counters = run
     assert counters["dropped_up"] > 0
@@ -225,6 +242,23 @@ def test_a_chunk_back_at_some_workers_only_makes_every_worker_decode_the_exact_s
     # Worker 1 lacked the hidden chunk besides the blackholed one; the others only that.
     assert results[1]["stats"]["missing_here"] >= 2
     assert results[0]["stats"]["missing_here"] >= 1
+
+
+def test_the_call_after_a_redo_gets_exact_sums_on_every_worker(partial_run, hidden_run):
+    """After a call redone over the collective, the next call of the same tensor (both
+    drop rules again) is redone alike and exact, on THC's own group and a caller's. With
+    the slots of the asking workers left behind, worker 1 met a straggler notice (its
+    rounds behind those the others sent) or took the previous call's RESULTs."""
+    for results, _ in (partial_run, hidden_run):
+        for r in range(WORLD):
+            out = results[r]
+            # Every worker's slots moved on alike (the aggregator's copies did).
+            for mine, first in zip(out["slot_rounds"], results[0]["slot_rounds"]):
+                assert np.array_equal(mine, first) and mine.any(), r
+            assert np.array_equal(out["bounded"], out["exact"]), r
+            assert np.array_equal(out["bounded_next"], out["exact_next"]), r
+            assert np.array_equal(out["caller_next"], out["exact_next"]), r
+            assert not np.array_equal(out["exact_next"], out["exact"])
 
 
 def test_only_partitions_with_a_lost_chunk_differ_from_the_exact_result(run):
