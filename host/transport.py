@@ -64,6 +64,8 @@ FLUSH_TOS = CONTROL_DSCP << 2
 EVERY_ROUND = -1               # a background waiter's own predicate: look after every round
 RTT_SAMPLES_KEPT = 4096        # TransportStats keeps the most recent RTT samples
 RESULT_MODERATION_S = 250e-6   # the native loop's pause for RESULTs to gather (docs/perf.md)
+CWND_MIN = 2.0                 # the CE window never closes below two chunks
+ECN_CE = 3
 # Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
 # port unreachable), or the way there is down (the link, the route, the host).
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
@@ -155,6 +157,8 @@ class TransportStats:
     send_calls: int = 0            # send syscalls (sendmmsg, or send/sendmsg per datagram)
     send_messages: int = 0         # messages those calls carried (one per GSO run)
     recv_calls: int = 0            # receive syscalls (recvmmsg, or recv_into per datagram)
+    ce_results: int = 0            # accepted RESULTs that came back CE-marked
+    window_cuts: int = 0           # times the CE window was halved
     # The most recent RTT samples only: a long run takes several per call, and a list of all
     # of them grew a worker by about 80 MB an hour (host.experiments.soak).
     rtt_samples: deque = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES_KEPT))
@@ -221,7 +225,12 @@ class AggregatorTransport:
     way only while batched and without GSO); moderation: seconds the native loop lets
     RESULTs gather before taking them in while at least half the window is in flight
     (one wake-up for several RESULTs instead of one each), at most a quarter of the
-    smoothed RTT so the path stays busy; 0 = wake for every one.
+    smoothed RTT so the path stays busy; 0 = wake for every one; ce_window: react to
+    RESULTs that come back CE-marked (a DLCP queue marked the contribution that completed
+    them, docs/protocol.md §5, §6) by halving the chunks this worker keeps in flight, at
+    most once per smoothed RTT, and open it again by `window_increase` chunks per window
+    of unmarked RESULTs (default pool_size / 8), up to the pool. Without marks (no DLCP
+    queue, or Not-ECT packets) the window stays the pool.
     """
 
     def __init__(self, aggregator, *, job: int, worker: int, expected: int, pool_size: int,
@@ -230,7 +239,8 @@ class AggregatorTransport:
                  timer: RetransmitTimer | None = None, on_straggler: str = "raise",
                  sock: socket.socket | None = None, batched: bool | None = None,
                  gso: bool | None = None, native: bool | None = None,
-                 moderation: float = RESULT_MODERATION_S):
+                 moderation: float = RESULT_MODERATION_S, ce_window: bool = True,
+                 window_increase: float | None = None):
         if not 1 <= values_per_packet <= MAX_VALUES:
             raise ValueError(f"values_per_packet {values_per_packet} must be in 1..{MAX_VALUES} "
                              "(the aggregator's MAX_VALUES)")
@@ -251,6 +261,9 @@ class AggregatorTransport:
         if not 0 <= moderation < 0.1:
             raise ValueError(f"moderation {moderation} s must be in [0, 0.1): a pause that long "
                              "would hold the window shut")
+        if window_increase is not None and not window_increase > 0:
+            raise ValueError(f"window_increase {window_increase} must be > 0 chunks per window "
+                             "(None: pool_size / 8)")
         if native and not native_datapath.available():
             raise TransportError(f"native=True, but the native data path is unavailable: "
                                  f"{native_datapath.reason()}; or pass native=None/False")
@@ -262,6 +275,11 @@ class AggregatorTransport:
         self.pool_size, self.vpp, self.min_count = pool_size, values_per_packet, min_count
         self.timeout, self.policy, self.on_straggler = timeout, policy, on_straggler
         self.moderation = moderation
+        self.ce_window = bool(ce_window)
+        self.cwnd = float(pool_size)           # chunks in flight the CE window allows
+        self.cwnd_hold_until = 0.0             # no second halving before (monotonic s)
+        self.window_increase = (max(1.0, pool_size / 8) if window_increase is None
+                                else float(window_increase))
         self.timer = timer or RetransmitTimer()
         # One RTT estimate per layer (a DDP bucket, a DLCP band): under strict priority a
         # back band's packets wait behind the front's, and one shared estimate, kept short
@@ -290,7 +308,7 @@ class AggregatorTransport:
         rx_rows = 2 * pool_size if pool_size < 512 else 1024
         self.io = DatagramSocket(self.sock, rx_rows=rx_rows,
                                  rx_width=HEADER_LEN + values_per_packet,
-                                 batched=batched, gso=gso)
+                                 batched=batched, gso=gso, rx_tos=self.ce_window)
         self._check_mtu()
 
     def _check_mtu(self) -> None:
@@ -527,6 +545,8 @@ class AggregatorTransport:
         s.moderation = self.moderation
         s.until = stream.until
         s.ect_retx = bool(getattr(self.policy, "ect_retransmissions", False))
+        s.ce_window, s.cwnd, s.cwnd_increase = self.ce_window, self.cwnd, self.window_increase
+        s.cwnd_hold_until = self.cwnd_hold_until
 
     def _native_leave(self, stream: "TensorStream") -> None:
         """The C state back into the stream, the timer and the statistics. A submission
@@ -540,6 +560,7 @@ class AggregatorTransport:
         if s.have_srtt:
             timer.srtt, timer.rttvar = s.srtt, s.rttvar
         io.tos, self._heard_from_aggregator = s.sock_tos, bool(s.heard)
+        self.cwnd, self.cwnd_hold_until = s.cwnd, s.cwnd_hold_until
         io.rx_truncated += s.rx_truncated
         stats = self.stats
         for name in native_datapath.COUNTERS:
@@ -558,7 +579,7 @@ class AggregatorTransport:
             stream.last_progress = time.monotonic()
         now = time.monotonic()
         # Send what the window allows: chunk c once chunk c - pool is done.
-        ready = ex.sendable()
+        ready = ex.sendable()[:self._window_room(ex)]
         if len(ready):
             self._send(stream.packets, ready)
             ex.mark_sent(ready, now, self.timer.rto)
@@ -637,13 +658,13 @@ class AggregatorTransport:
         rows, lens = self.io.rx[lo:n], self.io.rx_len[lo:n]
         ok = lens >= HEADER_LEN
         self.stats.ignored += int((~ok).sum())
-        rows, lens = rows[ok], lens[ok]
+        rows, lens, tos = rows[ok], lens[ok], self.io.rx_tos[lo:n][ok]
         if not len(rows):
             return False
         hdr = decode_headers(rows, lens)
-        return self._apply(ex, rows, lens, hdr)
+        return self._apply(ex, rows, lens, hdr, tos)
 
-    def _apply(self, ex: "_Exchange", rows, lens, hdr) -> bool:
+    def _apply(self, ex: "_Exchange", rows, lens, hdr, tos=None) -> bool:
         ptype = header_types(hdr)
         ours = ((hdr["ver_type"] >> 4) == VERSION) & (hdr["job"] == self.job) \
             & (hdr["tensor"] == ex.tensor) & (hdr["offset"] % self.vpp == 0)
@@ -673,14 +694,40 @@ class AggregatorTransport:
             if len(fresh):
                 scatter_payloads(rows[fresh], lens[fresh], hdr[fresh], ex.sums)
                 c = chunk[fresh]
-                rtt = ex.complete(c, hdr["contributors"][fresh], hdr["count"][fresh],
-                                  time.monotonic())
+                now = time.monotonic()
+                rtt = ex.complete(c, hdr["contributors"][fresh], hdr["count"][fresh], now)
                 if rtt is not None:
                     self.timer.sample(rtt)
                     self.stats.rtt_samples.append(rtt)
                 self.stats.results_accepted += len(fresh)
+                marked = 0 if tos is None else int(np.count_nonzero(tos[fresh] & 3 == ECN_CE))
+                self._window_update(len(fresh) - marked, marked, now)
                 progress = True
         return progress
+
+    def _window_room(self, ex: "_Exchange") -> int:
+        """How many more chunks the CE window lets out (the pool bounds the flight anyway,
+        so an open window costs no count); datapath.c's window_room."""
+        if not self.ce_window or self.cwnd >= self.pool_size:
+            return self.pool_size
+        return max(0, int(self.cwnd) - int(np.count_nonzero(ex.sent & ~ex.done)))
+
+    def _window_update(self, clean: int, marked: int, now: float) -> None:
+        """The CE response, as datapath.c's window_update: a batch with a CE-marked RESULT
+        halves the window, at most once per smoothed RTT (the marks of one queue build-up
+        arrive together); unmarked RESULTs open it by window_increase chunks per window of
+        them, up to the pool."""
+        if not self.ce_window:
+            return
+        self.stats.ce_results += marked
+        if marked:
+            if now >= self.cwnd_hold_until:
+                self.cwnd = max(CWND_MIN, self.cwnd / 2)
+                srtt = self.timer.srtt
+                self.cwnd_hold_until = now + (self.timer.rto_init if srtt is None else srtt)
+                self.stats.window_cuts += 1
+            return
+        self.cwnd = min(float(self.pool_size), self.cwnd + clean * self.window_increase / self.cwnd)
 
     def _straggler(self, ex: "_Exchange", chunks, hdr) -> bool:
         if self.on_straggler == "raise":
@@ -831,7 +878,8 @@ class TensorStream:
             tos=self.packets.tos, rounds=ex.rounds, sent=ex.sent, done=ex.done,
             retransmitted=ex.retransmitted, sent_at=ex.sent_at, deadline=ex.deadline,
             backoff=ex.backoff, sums=ex.sums, counts=ex.counts, contributors=ex.contributors,
-            probed=ex.probed, rx=t.io.rx, rx_len=t.io.rx_len)
+            probed=ex.probed, rx=t.io.rx, rx_len=t.io.rx_len,
+            rx_tos=t.io.rx_tos if t.ce_window else None)
 
     @property
     def num_values(self) -> int:

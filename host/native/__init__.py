@@ -59,16 +59,19 @@ class DpStream(ctypes.Structure):
                                    "timeout")]
         + [(name, _I) for name in ("sock_tos", "ect_retx", "heard", "wake_fd")]
         + [("moderation", _D), ("until", _D)]
+        + [("rx_tos", _P), ("cwnd", _D), ("cwnd_hold_until", _D), ("cwnd_increase", _D),
+           ("ce_window", _I)]
         + [(name, _I) for name in ("packets_sent", "bytes_sent", "retransmissions",
                                    "packets_received", "bytes_received", "results_accepted",
                                    "duplicates", "ignored", "send_calls", "send_messages",
-                                   "recv_calls", "rx_truncated", "rtt_count")]
+                                   "recv_calls", "rx_truncated", "rtt_count", "ce_results",
+                                   "window_cuts")]
         + [(name, _I) for name in ("rx_next", "rx_count", "err")])
 
 
 COUNTERS = ("packets_sent", "bytes_sent", "retransmissions", "packets_received",
             "bytes_received", "results_accepted", "duplicates", "ignored", "send_calls",
-            "send_messages", "recv_calls")
+            "send_messages", "recv_calls", "ce_results", "window_cuts")
 
 _lib = None
 _reason: str | None = "not loaded yet"
@@ -136,7 +139,7 @@ class NativeWindow:
 
     def __init__(self, *, fd, pool, job, tensor, num_values, vpp, rows, lengths, tos, rounds,
                  sent, done, retransmitted, sent_at, deadline, backoff, sums, counts,
-                 contributors, probed, rx, rx_len):
+                 contributors, probed, rx, rx_len, rx_tos=None):
         self._lib = load()
         if self._lib is None:
             raise RuntimeError(f"native data path unavailable: {reason()}")
@@ -144,7 +147,7 @@ class NativeWindow:
         self.rtt = np.zeros(max(1, n_chunks), np.float64)   # at most one sample per batch
         self._keep = (rows, lengths, tos, rounds, sent, done, retransmitted, sent_at,
                       deadline, backoff, sums, counts, contributors, probed, rx, rx_len,
-                      self.rtt)
+                      rx_tos, self.rtt)
         s = self.state = DpStream()
         s.fd, s.pool, s.n_chunks, s.num_values, s.vpp = fd, pool, n_chunks, num_values, vpp
         s.job, s.tensor, s.row_width = job, tensor, rows.shape[1]
@@ -159,6 +162,8 @@ class NativeWindow:
                 ("rx", rx, u8), ("rx_len", rx_len, i64), ("rtt_out", self.rtt, f64)):
             setattr(s, name, _address(array, dtype))
         s.rx_rows, s.rx_width = rx.shape
+        # The ToS of each receive row (the socket has IP_RECVTOS): the CE window's input.
+        s.rx_tos = None if rx_tos is None else _address(rx_tos, u8)
         s.rtt_cap = len(self.rtt)
         s.wake_fd = -1
         s.until = float("inf")

@@ -38,6 +38,8 @@ enum { DP_DONE = 0, DP_NOTICE = 1, DP_WAITING_INPUT = 2, DP_TIMEOUT = 3, DP_ERRN
 #define SEND_BATCH 256          /* datagrams per sendmmsg call */
 #define MAX_BACKOFF 64.0
 #define FULL_BUFFER_WAIT_MS 50  /* as host/datagram.py's wait_writable(0.05) */
+#define CWND_MIN 2.0            /* the CE window never closes below two chunks */
+#define ECN_CE 3
 
 /* The state of one stream; host/native/__init__.py mirrors it field by field (every field
  * 8 bytes wide, so there is no padding to agree on). */
@@ -68,10 +70,16 @@ struct dp_stream {
     int64_t wake_fd;             /* -1, or a pipe whose input ends a blocking call */
     double moderation;           /* seconds RESULTs may gather (moderation_pause) */
     double until;                /* a blocking call ends here (monotonic s; INFINITY: never) */
+    /* the CE window (AggregatorTransport._window_update): read and written back */
+    uint8_t *rx_tos;             /* ToS byte of each receive row (IP_RECVTOS) */
+    double cwnd;                 /* chunks this worker may have in flight (<= pool) */
+    double cwnd_hold_until;      /* no second halving before this (monotonic s) */
+    double cwnd_increase;        /* chunks added per window of unmarked RESULTs */
+    int64_t ce_window;           /* react to CE-marked RESULTs */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
-            rx_truncated, rtt_count;
+            rx_truncated, rtt_count, ce_results, window_cuts;
     /* what a status refers to */
     int64_t rx_next, rx_count, err;
 };
@@ -84,6 +92,7 @@ struct scratch {
     union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } *tx_control;
     struct mmsghdr *rx;          /* rx_rows entries */
     struct iovec *rx_iov;
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } *rx_control;
 };
 
 static double monotonic_now(void)
@@ -236,12 +245,51 @@ static int send_chunks(struct dp_stream *s, struct scratch *m, const int64_t *ch
     return 0;
 }
 
+/* Chunks in flight: sent, no result yet. */
+static int64_t outstanding(const struct dp_stream *s)
+{
+    int64_t n = 0;
+    for (int64_t c = s->done_prefix, hi = sent_bound(s); c < hi; c++)
+        n += s->sent[c] && !s->done[c];
+    return n;
+}
+
+/* How many more chunks the CE window lets out (AggregatorTransport._window_room): the
+ * pool bounds the flight anyway, so an open window costs no scan. */
+static int64_t window_room(const struct dp_stream *s)
+{
+    if (!s->ce_window || s->cwnd >= (double)s->pool)
+        return s->pool;
+    int64_t room = (int64_t)s->cwnd - outstanding(s);
+    return room > 0 ? room : 0;
+}
+
+/* The CE response (AggregatorTransport._window_update): a batch with a CE-marked RESULT
+ * halves the window, at most once per smoothed RTT (the marks of one queue build-up
+ * arrive together); unmarked RESULTs open it by cwnd_increase chunks per window of them,
+ * up to the pool. */
+static void window_update(struct dp_stream *s, int64_t clean, int64_t marked, double now)
+{
+    if (!s->ce_window)
+        return;
+    s->ce_results += marked;
+    if (marked > 0) {
+        if (now >= s->cwnd_hold_until) {
+            s->cwnd = fmax(CWND_MIN, s->cwnd / 2.0);
+            s->cwnd_hold_until = now + (s->have_srtt ? s->srtt : s->rto_init);
+            s->window_cuts++;
+        }
+        return;
+    }
+    s->cwnd = fmin((double)s->pool, s->cwnd + (double)clean * s->cwnd_increase / s->cwnd);
+}
+
 /* Chunk c + pool goes out only once chunk c is done (_Exchange.sendable/mark_sent). */
 static int send_window(struct dp_stream *s, struct scratch *m, double now, double rto)
 {
     int64_t lo = s->next_unsent, hi = s->available < lo + s->pool ? s->available : lo + s->pool;
-    int64_t k = 0;
-    for (int64_t c = lo; c < hi; c++)
+    int64_t k = 0, room = window_room(s);
+    for (int64_t c = lo; c < hi && k < room; c++)
         if (!s->sent[c] && (c < s->pool || s->done[c - s->pool]))
             m->chunks[k++] = c;
     int err = send_chunks(s, m, m->chunks, k);
@@ -311,6 +359,7 @@ static int apply_rows(struct dp_stream *s, int64_t lo, int64_t n, int *progress)
 {
     double oldest_clean = INFINITY;    /* Karn: RTT only from chunks sent once */
     int accepted = 0, status = DP_DONE;
+    int64_t clean = 0, marked = 0;     /* accepted RESULTs without / with a CE mark */
     for (int64_t i = lo; i < n; i++) {
         const uint8_t *row = s->rx + i * s->rx_width;
         int64_t len = s->rx_len[i];
@@ -353,6 +402,10 @@ static int apply_rows(struct dp_stream *s, int64_t lo, int64_t n, int *progress)
         s->done[chunk] = 1;
         s->n_done++;
         s->results_accepted++;
+        if (s->rx_tos && (s->rx_tos[i] & 3) == ECN_CE)
+            marked++;
+        else
+            clean++;
         if (!s->retransmitted[chunk] && s->sent_at[chunk] < oldest_clean)
             oldest_clean = s->sent_at[chunk];
         accepted = 1;
@@ -362,15 +415,29 @@ static int apply_rows(struct dp_stream *s, int64_t lo, int64_t n, int *progress)
         s->ex_last_progress = now;
         if (oldest_clean < INFINITY)
             rtt_sample(s, now - oldest_clean);   /* one sample per batch, its latest */
+        window_update(s, clean, marked, now);
         *progress = 1;
     }
     return status;
+}
+
+/* The ToS byte of a received datagram (IP_RECVTOS), 0 where the kernel gave none. */
+static uint8_t tos_of(struct msghdr *h)
+{
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c))
+        if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_TOS
+                && c->cmsg_len >= CMSG_LEN(1))
+            return *(const uint8_t *)CMSG_DATA(c);
+    return 0;
 }
 
 /* Drain the socket (one recvmmsg, without blocking) and apply what came. */
 static int receive(struct dp_stream *s, struct scratch *m, int *progress)
 {
     s->recv_calls++;
+    if (s->rx_tos)                     /* the kernel shrinks it to what it wrote */
+        for (int64_t i = 0; i < s->rx_rows; i++)
+            m->rx[i].msg_hdr.msg_controllen = sizeof m->rx_control[i].buf;
     int n = recvmmsg((int)s->fd, m->rx, (unsigned)s->rx_rows, MSG_DONTWAIT, NULL);
     if (n < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
@@ -388,6 +455,8 @@ static int receive(struct dp_stream *s, struct scratch *m, int *progress)
         s->bytes_received += m->rx[i].msg_len;
         if (m->rx[i].msg_hdr.msg_flags & MSG_TRUNC)
             s->rx_truncated++;
+        if (s->rx_tos)
+            s->rx_tos[i] = tos_of(&m->rx[i].msg_hdr);
     }
     return apply_rows(s, 0, n, progress);
 }
@@ -443,10 +512,8 @@ static double moderation_pause(const struct dp_stream *s, int progress)
 {
     if (s->moderation <= 0 || !progress || !s->have_srtt)
         return 0;
-    int64_t outstanding = 0;
-    for (int64_t c = s->done_prefix, hi = sent_bound(s); c < hi; c++)
-        outstanding += s->sent[c] && !s->done[c];
-    if (2 * outstanding < s->pool || outstanding < 4)
+    int64_t in_flight = outstanding(s);
+    if (2 * in_flight < s->pool || in_flight < 4)
         return 0;
     return fmin(s->moderation, s->srtt / 4);
 }
@@ -466,6 +533,7 @@ static void free_scratch(struct scratch *m)
     free(m->tx_control);
     free(m->rx);
     free(m->rx_iov);
+    free(m->rx_control);
 }
 
 static int alloc_scratch(struct dp_stream *s, struct scratch *m)
@@ -477,7 +545,9 @@ static int alloc_scratch(struct dp_stream *s, struct scratch *m)
     m->tx_control = calloc(SEND_BATCH, sizeof *m->tx_control);
     m->rx = calloc((size_t)s->rx_rows, sizeof *m->rx);
     m->rx_iov = calloc((size_t)s->rx_rows, sizeof *m->rx_iov);
-    if (!m->chunks || !m->tx || !m->tx_iov || !m->tx_control || !m->rx || !m->rx_iov) {
+    m->rx_control = calloc((size_t)s->rx_rows, sizeof *m->rx_control);
+    if (!m->chunks || !m->tx || !m->tx_iov || !m->tx_control || !m->rx || !m->rx_iov
+            || !m->rx_control) {
         free_scratch(m);
         return ENOMEM;
     }
@@ -486,6 +556,10 @@ static int alloc_scratch(struct dp_stream *s, struct scratch *m)
         m->rx_iov[i].iov_len = (size_t)s->rx_width;
         m->rx[i].msg_hdr.msg_iov = &m->rx_iov[i];
         m->rx[i].msg_hdr.msg_iovlen = 1;
+        if (s->rx_tos) {
+            m->rx[i].msg_hdr.msg_control = m->rx_control[i].buf;
+            m->rx[i].msg_hdr.msg_controllen = sizeof m->rx_control[i].buf;
+        }
     }
     return 0;
 }

@@ -312,7 +312,7 @@ def main(argv=None) -> None:
         result = innetwork_incast.run(args)
         print(_table(result["runs"], ["mode", "calls", "call_ms_median", "call_ms_p99",
                                       "call_ms_max", "selective_drops", "buffer_drops",
-                                      "ce_marked", "chunks_lost", "retransmissions",
+                                      "ce_marked", "window_cuts", "chunks_lost", "retransmissions",
                                       "test_acc", "test_loss"]))
     else:
         result = run(args)

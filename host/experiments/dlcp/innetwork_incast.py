@@ -119,6 +119,7 @@ def _worker(rank, cfg, queue):
         xs, ys = torch.from_numpy(xtr[rank::cfg["world"]]), torch.from_numpy(ytr[rank::cfg["world"]])
         rng = np.random.default_rng(cfg["seed"] + rank)
         ar, log = state.allreduce, _StepLog(state.allreduce)
+        ar.exchange.transport.ce_window = cfg["ce_window"]
         marks = ar.exchange.transport.policy
         for step in range(cfg["steps"]):
             on = dlcp and (not paired or step % 2 == 0)
@@ -180,7 +181,7 @@ def run_mode(mode: str, args) -> dict:
                "vpp": args.vpp, "partition_size": args.partition_size, "seed": args.seed,
                "hidden": args.hidden, "bucket_mb": args.bucket_mb, "lr": args.lr,
                "batch": args.batch, "steps": args.steps, "loss_bound": args.loss_bound,
-               "loss_wait": args.loss_wait}
+               "loss_wait": args.loss_wait, "ce_window": args.ce_window == "on"}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, cfg, queue)) for r in range(world)]
@@ -249,6 +250,8 @@ def summarize(mode, results, stats, port, wall, calls_of: str | None = None) -> 
         "lost_marks": loss[0].get("lost_marks", {}),
         "retransmissions": int(sum(results[r]["transport"]["retransmissions"]
                                    for r in results)),
+        "ce_results": int(sum(results[r]["transport"]["ce_results"] for r in results)),
+        "window_cuts": int(sum(results[r]["transport"]["window_cuts"] for r in results)),
         "packets_sent": int(sum(results[r]["transport"]["packets_sent"] for r in results)),
         "test_acc": results[0]["test_acc"], "test_loss": results[0]["test_loss"],
         "buckets": results[0]["buckets"],
@@ -288,6 +291,9 @@ def add_arguments(ap) -> None:
                     help="other traffic into the aggregator's port, Not-ECT, in the queue "
                          "of THC's front band (datagrams/s; 0 = none)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--ce-window", choices=("on", "off"), default="on",
+                    help="workers halve their window on CE-marked RESULTs (AggregatorTransport "
+                         "ce_window); marks come only where a threshold is below the capacity")
     ap.add_argument("--paired", action="store_true",
                     help="one training, DLCP on even steps and off on odd ones (no background)")
 
