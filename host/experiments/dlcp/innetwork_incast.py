@@ -48,11 +48,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thc
-from dataplane.config import (Dlcp, Job, Member, SwitchConfig, band_to_dscp,
+from dataplane.config import (NUM_DATA_BANDS, Dlcp, Job, Member, SwitchConfig, band_to_dscp,
                               default_thresholds, window_thresholds)
 from dataplane.dpdk_runner import LiveSwitch, af_packet_vdevs
 from dataplane.udp_service import serve
 from host.ddp_hook import thc_hook, thc_hook_state
+from host.dlcp.marking import DlcpPolicy
 from host.experiments.common import load_digits_split, make_model
 from host.netlab.dlcp_probes import live_switch_skip_reason
 from host.netlab.background import send_paced
@@ -108,7 +109,8 @@ def _worker(rank, cfg, queue):
                                    pool_size=cfg["pool"], values_per_packet=cfg["vpp"]),
                                codec=codec, worker_address=(cfg["ips"][rank], WORKER_UDP_PORT),
                                timeout=30, values_per_packet=cfg["vpp"],
-                               policy=None if dlcp else default_policy,
+                               policy=DlcpPolicy(num_bands=cfg["bands"]) if dlcp
+                               else default_policy,
                                loss_bound=cfg["loss_bound"] if dlcp else 0.0,
                                loss_wait=cfg["loss_wait"])
         torch.manual_seed(cfg["seed"])
@@ -181,7 +183,8 @@ def run_mode(mode: str, args) -> dict:
                "vpp": args.vpp, "partition_size": args.partition_size, "seed": args.seed,
                "hidden": args.hidden, "bucket_mb": args.bucket_mb, "lr": args.lr,
                "batch": args.batch, "steps": args.steps, "loss_bound": args.loss_bound,
-               "loss_wait": args.loss_wait, "ce_window": args.ce_window == "on"}
+               "loss_wait": args.loss_wait, "ce_window": args.ce_window == "on",
+               "bands": args.bands}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, cfg, queue)) for r in range(world)]
@@ -291,6 +294,9 @@ def add_arguments(ap) -> None:
                     help="other traffic into the aggregator's port, Not-ECT, in the queue "
                          "of THC's front band (datagrams/s; 0 = none)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--bands", type=int, default=NUM_DATA_BANDS,
+                    help="DLCP bands the layers are spread over (DlcpPolicy num_bands; 1: "
+                         "every bucket in one queue, marks only)")
     ap.add_argument("--ce-window", choices=("on", "off"), default="on",
                     help="workers halve their window on CE-marked RESULTs (AggregatorTransport "
                          "ce_window); marks come only where a threshold is below the capacity")
