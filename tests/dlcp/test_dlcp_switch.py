@@ -138,3 +138,45 @@ def test_window_thresholds_leave_a_jobs_own_window_alone():
     # On top of the window (overload) the band still drops selectively, above its K.
     overload = _burst_drops(k, workers * pool + 16, 0)["dlcp_selective_drop"]
     assert 0 < overload <= 16
+
+
+def test_flushes_leave_a_dlcp_queue_before_the_data_sent_after_them():
+    """A worker's FLUSHes, as AggregatorTransport.flush sends them (bytes and ToS taken
+    from a real socket), wait at a paused port; then the front band's DATA of the first
+    stream arrives. Drained, the port sends every FLUSH first (protocol §4.6: the control
+    class). At DSCP 0 they sat in the lowest queue, and the DATA overtook them: a flush
+    landing after a contribution resets its slot."""
+    from dataplane.config import band_to_dscp
+    from host.packets import TYPE_DATA, TYPE_FLUSH, decode_headers, encode_data, header_types
+    from host.transport import AggregatorTransport
+    pool = 8
+    agg = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    agg.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    agg.bind(("127.0.0.1", 0))
+    agg.settimeout(5)
+    t = AggregatorTransport(agg.getsockname(), job=1, worker=0, expected=1, pool_size=pool)
+    try:
+        t.flush(repeats=1)
+        flushes = []
+        for _ in range(pool):
+            data, anc, _, _ = agg.recvmsg(2048, socket.CMSG_SPACE(4))
+            flushes.append((data, anc[0][2][0]))
+    finally:
+        t.close()
+        agg.close()
+    rows, lengths = encode_data(np.zeros(pool * 8, np.uint8), pool * 16, 16, job=1, worker=0,
+                                tensor=1, slots=np.arange(pool), rounds=0, expected=1)
+    data_tos = (band_to_dscp(0) << 2) | ECN_ECT0            # the front band, ECT
+    frame = dict(src_mac="02:00:00:00:00:01", dst_mac="02:00:00:00:00:fe",
+                 src_ip="10.0.0.1", dst_ip="10.0.1.2", sport=47200, dport=47100)
+    switch = make_switch()
+    for data, tos in flushes:
+        raw = np.frombuffer(data, np.uint8)[None, :]
+        for f in wrap_frames(raw, [len(data)], tos=tos, **frame):
+            assert switch.process(0, f, now=0.0) == []
+    for f in wrap_frames(rows, lengths, tos=data_tos, **frame):
+        assert switch.process(0, f, now=0.0) == []
+    out = [f for _, f in switch.drain([1])]
+    types = header_types(decode_headers([f[L2L4_LEN:] for f in out],
+                                        [len(f) - L2L4_LEN for f in out])).tolist()
+    assert types == [TYPE_FLUSH] * pool + [TYPE_DATA] * pool
