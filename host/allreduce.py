@@ -359,6 +359,13 @@ class _AggregatorStream:
         ex = stream.ex
         members = bin(transport.expected).count("1")
         need = math.ceil((1.0 - loss_bound) * ex.n_chunks)
+        if transport.min_count in (0, members):
+            # Every result comes with the full contributor set, so `need` done chunks is
+            # the rule: the wait and its grace period in one call (in C on the native
+            # path, with no hand-off to this thread between them).
+            stream.wait_grace(need, wait_rto)
+            stream.give_up_rest()
+            return ~(ex.done & (ex.counts == members))
         grace = {}
 
         def enough() -> bool:
@@ -378,9 +385,8 @@ class _AggregatorStream:
         if wait_rto and not ex.all_done():
             # the grace period: the rest, or its end, waited for in one native call
             stream.wait_all(grace["end"])
-        with stream.lock:
-            ex.give_up(np.flatnonzero(~ex.done))
-            return ~(ex.done & (ex.counts == members))
+        stream.give_up_rest()
+        return ~(ex.done & (ex.counts == members))
 
     def result(self, lo: int, hi: int, missing=None):
         """(sums, counts) of padded values [lo, hi), waiting for them. missing: the

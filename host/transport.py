@@ -547,6 +547,7 @@ class AggregatorTransport:
         s.ect_retx = bool(getattr(self.policy, "ect_retransmissions", False))
         s.ce_window, s.cwnd, s.cwnd_increase = self.ce_window, self.cwnd, self.window_increase
         s.cwnd_hold_until = self.cwnd_hold_until
+        s.grace_at, s.grace_rtos = stream.grace_at, stream.grace_rtos
 
     def _native_leave(self, stream: "TensorStream") -> None:
         """The C state back into the stream, the timer and the statistics. A submission
@@ -561,6 +562,10 @@ class AggregatorTransport:
             timer.srtt, timer.rttvar = s.srtt, s.rttvar
         io.tos, self._heard_from_aggregator = s.sock_tos, bool(s.heard)
         self.cwnd, self.cwnd_hold_until = s.cwnd, s.cwnd_hold_until
+        if s.grace_at == native_datapath.GRACE_STARTED:
+            # The C loop started the grace period: its end is the wait's time limit now.
+            # (Only then: a call entered before wait_grace armed it knows nothing of it.)
+            stream.grace_at, stream.until = -1, min(stream.until, s.until)
         io.rx_truncated += s.rx_truncated
         stats = self.stats
         for name in native_datapath.COUNTERS:
@@ -861,6 +866,7 @@ class TensorStream:
         self._at_least: int | None = None    # and, for its own predicate, its hint (_wait)
         self._in_c = False                   # the I/O thread is inside a native call
         self.until = float("inf")            # a wait's time limit (wait_all), monotonic s
+        self.grace_at, self.grace_rtos = -1, 0.0    # wait_grace's, while it waits
         self._thread = None
         if background:
             self._wake_r, self._wake_w = os.pipe()
@@ -971,6 +977,52 @@ class TensorStream:
                         target=ex.n_chunks)
         finally:
             self.until = float("inf")
+
+    def wait_grace(self, at_least: int, grace_rtos: float) -> None:
+        """Block until every chunk is done, or until grace_rtos retransmission timeouts
+        after at_least chunks are done, whichever comes first (a bounded-loss rule: wait
+        for the chunks it needs, then give the rest a grace period). The chunks overdue
+        when the grace period starts go out again at once, as after a stall. On the native
+        path the whole wait is one C call: no hand-off to Python between the two parts."""
+        self._check_open()
+        ex, t = self.ex, self.transport
+        if not t._native_for(self):
+            grace = {}
+
+            def enough() -> bool:
+                if ex.all_done():
+                    return True
+                if ex._n_done < at_least:         # as the C loop counts (start_grace)
+                    return False
+                now = time.monotonic()
+                if np.any(~ex.done & ex.sent & (ex.deadline <= now)):
+                    ex.last_progress = now - t.timer.rto
+                grace["end"] = now + grace_rtos * t.timer.rto
+                return True
+            self.wait_until(enough, at_least=at_least)
+            if not ex.all_done():
+                self.wait_all(grace["end"])
+            return
+        self.grace_at, self.grace_rtos = at_least, grace_rtos
+        try:
+            self._drive(lambda: ex.all_done() or time.monotonic() >= self.until,
+                        target=ex.n_chunks)
+        finally:
+            self.grace_at, self.until = -1, float("inf")
+
+    def give_up_rest(self) -> np.ndarray:
+        """Give up every chunk not done yet (a bounded-loss rule, once its wait is over);
+        returns them. With an I/O thread, first out of its native call and kept out while
+        the chunks change: a call running meanwhile would write back its own count of the
+        done chunks over the given-up ones, and the stream would never end."""
+        with self._progress:
+            while self._in_c:
+                os.write(self._wake_w, b"w")
+                self._progress.wait(0.05)
+            rest = np.flatnonzero(~self.ex.done)
+            self.ex.give_up(rest)
+            self._progress.notify_all()
+        return rest
 
     def counts(self, lo: int, hi: int):
         """Contributor count of values [lo, hi): an int when every chunk agrees, else one

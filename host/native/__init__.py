@@ -37,6 +37,7 @@ LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_datapath.so
 
 # dp_run's statuses (datapath.c)
 DONE, NOTICE, WAITING_INPUT, TIMEOUT, ERRNO, WOKEN, DEADLINE = range(7)
+GRACE_STARTED = -2             # dp_stream.grace_at once start_grace ran
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -60,7 +61,7 @@ class DpStream(ctypes.Structure):
         + [(name, _I) for name in ("sock_tos", "ect_retx", "heard", "wake_fd")]
         + [("moderation", _D), ("until", _D)]
         + [("rx_tos", _P), ("cwnd", _D), ("cwnd_hold_until", _D), ("cwnd_increase", _D),
-           ("ce_window", _I)]
+           ("ce_window", _I), ("grace_at", _I), ("grace_rtos", _D)]
         + [(name, _I) for name in ("packets_sent", "bytes_sent", "retransmissions",
                                    "packets_received", "bytes_received", "results_accepted",
                                    "duplicates", "ignored", "send_calls", "send_messages",
@@ -167,6 +168,7 @@ class NativeWindow:
         s.rtt_cap = len(self.rtt)
         s.wake_fd = -1
         s.until = float("inf")
+        s.grace_at = -1
         self._ref = ctypes.byref(s)
 
     def run(self, block: bool, target: int, at_least: int | None = None) -> int:

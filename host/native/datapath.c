@@ -76,6 +76,9 @@ struct dp_stream {
     double cwnd_hold_until;      /* no second halving before this (monotonic s) */
     double cwnd_increase;        /* chunks added per window of unmarked RESULTs */
     int64_t ce_window;           /* react to CE-marked RESULTs */
+    /* a grace period the loop starts itself (TensorStream.wait_grace): read and written */
+    int64_t grace_at;            /* once this many chunks are done (-1: none; -2: started) */
+    double grace_rtos;           /* ... `until` becomes now + this many RTOs at most */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
@@ -564,6 +567,19 @@ static int alloc_scratch(struct dp_stream *s, struct scratch *m)
     return 0;
 }
 
+/* A grace period that starts once grace_at chunks are done (a bounded-loss rule, as
+ * host.allreduce's settle states it): the call ends at most grace_rtos RTOs later, and
+ * the chunks already overdue go out again at once, as after a stall. */
+static void start_grace(struct dp_stream *s)
+{
+    if (s->grace_at < 0 || s->n_done < s->grace_at)
+        return;
+    double now = monotonic_now(), rto = rto_of(s);
+    s->until = fmin(s->until, now + s->grace_rtos * rto);
+    s->ex_last_progress = fmin(s->ex_last_progress, now - rto);
+    s->grace_at = -2;                  /* started: Python takes `until` from here */
+}
+
 /* Rounds until chunks [0, target) are done, or at least at_least chunks in any order
  * (a bounded-loss rule's necessary condition, so it needs no Python between arrivals);
  * block=0: one round. A status other than DP_DONE says what Python must do (the module
@@ -579,6 +595,7 @@ int dp_run(struct dp_stream *s, int block, int64_t target, int64_t at_least)
     for (;;) {
         int progress;
         status = one_round(s, &m, &progress);
+        start_grace(s);
         if (status != DP_DONE || !block || done_prefix(s) >= target || s->n_done >= at_least)
             break;
         if (s->available < s->n_chunks && s->done_prefix >= s->available) {

@@ -444,8 +444,7 @@ def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
     waited = time.monotonic() - started
     assert 0.25 <= waited < 2.0, waited
     assert not stream.ex.done.any() and stream.until == float("inf")
-    with stream.lock:
-        stream.ex.give_up(np.arange(chunks))
+    assert stream.give_up_rest().tolist() == list(range(chunks))
     stream.close()
     t.close()
     # and with every chunk answered it returns as soon as they are in
@@ -455,3 +454,48 @@ def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
     assert stream.ex.all_done() and time.monotonic() - started < 10.0
     assert np.array_equal(stream.finish().sums, TABLE[idx])
     t.close()
+
+
+@PATHS
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "io-thread"])
+def test_wait_grace_gives_the_last_chunks_a_grace_period(aggregator, use_native, background):
+    """A bounded-loss rule's wait in one call (TensorStream.wait_grace): a relay drops every
+    DATA of one chunk, so once the other chunks are in the wait ends a grace period of RTOs
+    later, long before the stream's timeout, without that chunk; with every chunk answered
+    it ends as soon as they are in. Native: the grace period starts in C (start_grace)."""
+    from host.netlab.relay import UP
+    vpp, pool, chunks, lost = 256, 16, 40, 37     # no chunk waits for lost's slot
+    idx = random_indices(1, chunks * vpp, 6)[0]
+
+    def drop_chunk(d) -> bool:
+        if d.direction != UP or len(d.data) < 32:
+            return False
+        hdr = decode_headers([d.data])
+        return header_types(hdr)[0] == TYPE_DATA and int(hdr["offset"][0]) // vpp == lost
+
+    for dropping, tensor in ((True, 4), (False, 5)):
+        with LossyRelay(("127.0.0.1", 0), drop_chunk if dropping else None, members=1,
+                        member_of=agg_worker) as relay:
+            svc, _ = aggregator(1, pool, addresses=relay.member_addresses)
+            relay.target = svc.address
+            t = AggregatorTransport(relay.address, job=1, worker=0, expected=1, pool_size=pool,
+                                    values_per_packet=vpp, timeout=15, native=use_native)
+            t.flush()
+            stream = t.open_stream(len(idx), tensor, background=background)
+            stream.submit(pack(idx), len(idx))
+            started = time.monotonic()
+            stream.wait_grace(chunks - 1, 2.0)
+            waited = time.monotonic() - started
+            assert waited < 8.0, waited
+            done = stream.ex.done.copy()
+            assert stream.until == float("inf") and stream.grace_at == -1
+            if dropping:
+                assert not done[lost] and done.sum() == chunks - 1
+                assert t.stats.retransmissions > 0      # the overdue chunk went out again
+                assert stream.give_up_rest().tolist() == [lost]
+            else:
+                assert done.all()
+            res = stream.finish()
+            keep = np.repeat(done, vpp)
+            assert np.array_equal(res.sums[keep], TABLE[idx][keep])
+            t.close()
