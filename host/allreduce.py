@@ -359,32 +359,15 @@ class _AggregatorStream:
         ex = stream.ex
         members = bin(transport.expected).count("1")
         need = math.ceil((1.0 - loss_bound) * ex.n_chunks)
-        if transport.min_count in (0, members):
-            # Every result comes with the full contributor set, so `need` done chunks is
-            # the rule: the wait and its grace period in one call (in C on the native
-            # path, with no hand-off to this thread between them).
-            stream.wait_grace(need, wait_rto)
-            stream.give_up_rest()
-            return ~(ex.done & (ex.counts == members))
-        grace = {}
-
-        def enough() -> bool:
-            if ex.all_done():
-                return True
-            if np.count_nonzero(ex.done & (ex.counts == members)) < need:
-                return False
-            now = time.monotonic()
-            if wait_rto and np.any(~ex.done & ex.sent & (ex.deadline <= now)):
-                # As after a stall: the overdue chunks go out at once, no further loss
-                # evidence needed (host.transport._Exchange.expired).
-                ex.last_progress = now - transport.timer.rto
-            grace["end"] = now + wait_rto * transport.timer.rto
-            return True
-        # enough() needs `need` chunks done: until then the native loop waits by itself
-        stream.wait_until(enough, at_least=need)
-        if wait_rto and not ex.all_done():
-            # the grace period: the rest, or its end, waited for in one native call
-            stream.wait_all(grace["end"])
+        full = None
+        if transport.min_count not in (0, members):
+            # Partial aggregation: a result may lack contributors, and only full ones count.
+            def full() -> int:
+                return int(np.count_nonzero(ex.done & (ex.counts == members)))
+        # Without `full`, every result comes with the full contributor set, so `need` done
+        # chunks is the rule: the wait and its grace period in one call (in C on the
+        # native path, with no hand-off to this thread between them).
+        stream.wait_grace(need, wait_rto, counted=full)
         stream.give_up_rest()
         return ~(ex.done & (ex.counts == members))
 
@@ -569,8 +552,9 @@ class THCAllreduce:
     calls), the first collective each of them makes after the call (_rescue_exchange).
     Until then `on_collective` of the workers that got their sums still says where that
     call went. defer_end_agreement = False puts the agreement back at the end of every
-    call (host.fsdp does: its own max-norm exchange shares the group). Every probe_interval seconds (any worker's clock, agreed in the control
-    exchange) each worker probes the aggregator at the next call
+    call (host.fsdp does: its own max-norm exchange shares the group). Every
+    probe_interval seconds (any worker's clock, agreed in the control exchange) each
+    worker probes the aggregator at the next call
     (AggregatorTransport.probe); when every probe is answered, all go back to it at that
     call, after a FLUSH of the job's slots. "raise": the call raises, as without fallback.
     A worker that dies is told apart by a roll call (`WorkerLostError` names it).

@@ -47,6 +47,7 @@ import numpy as np
 
 from dataplane.config import CONTROL_DSCP, DEFAULT_VALUES_PER_PACKET
 from host import native as native_datapath
+from host.dlcp.marking import ECN_CE
 from host.datagram import (SOCKET_BUFFER_BYTES, DatagramSocket, PacketRows,  # noqa: F401
                            gso_available, mmsg_available)
 from host.packets import (FLAG_RETX, HEADER_DTYPE, HEADER_LEN, TYPE_FLUSH, TYPE_RESULT,
@@ -65,7 +66,6 @@ EVERY_ROUND = -1               # a background waiter's own predicate: look after
 RTT_SAMPLES_KEPT = 4096        # TransportStats keeps the most recent RTT samples
 RESULT_MODERATION_S = 250e-6   # the native loop's pause for RESULTs to gather (docs/perf.md)
 CWND_MIN = 2.0                 # the CE window never closes below two chunks
-ECN_CE = 3
 # Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
 # port unreachable), or the way there is down (the link, the route, the host).
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
@@ -978,29 +978,35 @@ class TensorStream:
         finally:
             self.until = float("inf")
 
-    def wait_grace(self, at_least: int, grace_rtos: float) -> None:
+    def wait_grace(self, at_least: int, grace_rtos: float, counted=None) -> None:
         """Block until every chunk is done, or until grace_rtos retransmission timeouts
         after at_least chunks are done, whichever comes first (a bounded-loss rule: wait
-        for the chunks it needs, then give the rest a grace period). The chunks overdue
-        when the grace period starts go out again at once, as after a stall. On the native
-        path the whole wait is one C call: no hand-off to Python between the two parts."""
+        for the chunks it needs, then give the rest a grace period; 0: none). The chunks
+        overdue when the grace period starts go out again at once, as after a stall.
+        counted: how many done chunks count towards at_least (default: every done one).
+        On the native path, without `counted`, the whole wait is one C call (start_grace):
+        no hand-off to Python between the two parts."""
         self._check_open()
         ex, t = self.ex, self.transport
-        if not t._native_for(self):
+        if counted is not None or not t._native_for(self):
+            count = counted or (lambda: ex._n_done)
             grace = {}
 
             def enough() -> bool:
                 if ex.all_done():
                     return True
-                if ex._n_done < at_least:         # as the C loop counts (start_grace)
+                if count() < at_least:
                     return False
                 now = time.monotonic()
-                if np.any(~ex.done & ex.sent & (ex.deadline <= now)):
+                if grace_rtos and np.any(~ex.done & ex.sent & (ex.deadline <= now)):
+                    # As after a stall: the overdue chunks go out at once, no further loss
+                    # evidence needed (_Exchange.expired).
                     ex.last_progress = now - t.timer.rto
                 grace["end"] = now + grace_rtos * t.timer.rto
                 return True
+            # enough() needs at_least chunks done: until then the native loop waits alone
             self.wait_until(enough, at_least=at_least)
-            if not ex.all_done():
+            if grace_rtos and not ex.all_done():
                 self.wait_all(grace["end"])
             return
         self.grace_at, self.grace_rtos = at_least, grace_rtos

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from host import native
+from host.dlcp.marking import ECN_CE
 from host.packets import FLAG_RETX, TYPE_DATA, TYPE_RESULT, decode_headers, header_types
 from host.transport import AggregatorTransport, constant_policy
 
 from hosttest_util import TABLE, aggregator, pack, random_indices  # noqa: F401 (fixture)
 
 PATHS = pytest.mark.parametrize("use_native", [True, False], ids=["native", "python"])
-ECN_CE = 3
 DELAY_S = 0.02
 
 
