@@ -997,15 +997,20 @@ class TensorStream:
                     return True
                 if count() < at_least:
                     return False
-                now = time.monotonic()
-                if grace_rtos and np.any(~ex.done & ex.sent & (ex.deadline <= now)):
+                now, rto = time.monotonic(), t.timer.rto
+                if grace_rtos:
                     # As after a stall: the overdue chunks go out at once, no further loss
-                    # evidence needed (_Exchange.expired).
-                    ex.last_progress = now - t.timer.rto
-                grace["end"] = now + grace_rtos * t.timer.rto
+                    # evidence needed (_Exchange.expired); a timer armed with an older,
+                    # larger RTO would not fire inside the grace period: re-armed to one.
+                    ex.last_progress = min(ex.last_progress, now - rto)
+                    pending = ~ex.done & ex.sent
+                    ex.deadline[pending] = np.minimum(ex.deadline[pending], now + rto)
+                grace["end"] = now + grace_rtos * rto
                 return True
             # enough() needs at_least chunks done: until then the native loop waits alone
             self.wait_until(enough, at_least=at_least)
+            if self._thread is not None:
+                os.write(self._wake_w, b"g")     # its sleep was timed by the old deadlines
             if grace_rtos and not ex.all_done():
                 self.wait_all(grace["end"])
             return

@@ -569,7 +569,9 @@ static int alloc_scratch(struct dp_stream *s, struct scratch *m)
 
 /* A grace period that starts once grace_at chunks are done (a bounded-loss rule, as
  * host.allreduce's settle states it): the call ends at most grace_rtos RTOs later, and
- * the chunks already overdue go out again at once, as after a stall. */
+ * the chunks already overdue go out again at once, as after a stall. A pending chunk's
+ * timer is re-armed to at most one RTO from now: armed with an older, larger RTO (the
+ * initial one, before any RTT sample) it would not fire inside the grace period. */
 static void start_grace(struct dp_stream *s)
 {
     if (s->grace_at < 0 || s->n_done < s->grace_at)
@@ -577,6 +579,9 @@ static void start_grace(struct dp_stream *s)
     double now = monotonic_now(), rto = rto_of(s);
     s->until = fmin(s->until, now + s->grace_rtos * rto);
     s->ex_last_progress = fmin(s->ex_last_progress, now - rto);
+    for (int64_t c = done_prefix(s), hi = sent_bound(s); c < hi; c++)
+        if (!s->done[c] && s->sent[c])
+            s->deadline[c] = fmin(s->deadline[c], now + rto);
     s->grace_at = -2;                  /* started: Python takes `until` from here */
 }
 

@@ -16,7 +16,7 @@ from host import native
 from host.netlab.relay import LossyRelay, agg_worker, random_loss
 from host.packets import FLAG_RETX, TYPE_DATA, decode_headers, header_types
 from host.transport import (AggregatorTimeout, AggregatorTransport, AggregatorUnreachable,
-                            StragglerNotice, constant_policy)
+                            RetransmitTimer, StragglerNotice, constant_policy)
 
 from hosttest_util import (TABLE, aggregator, pack,  # noqa: F401 (fixture)
                            random_indices)
@@ -499,3 +499,44 @@ def test_wait_grace_gives_the_last_chunks_a_grace_period(aggregator, use_native,
             keep = np.repeat(done, vpp)
             assert np.array_equal(res.sums[keep], TABLE[idx][keep])
             t.close()
+
+
+@PATHS
+@pytest.mark.parametrize("background", [False, True], ids=["caller", "io-thread"])
+def test_a_grace_period_resends_a_chunk_armed_with_an_older_rto(aggregator, use_native,
+                                                                  background):
+    """A lost chunk sent before any RTT sample has its timer armed with the initial RTO
+    (1 s here); once the other chunks are in, the RTO is a few ms and the grace period
+    2 of those. wait_grace re-arms the pending chunk's timer to at most one current RTO,
+    so it goes out again inside the grace period, which still ends long before the first
+    timer would have fired. Without the re-arming it never went out again (a CI failure:
+    the RTO had shrunk between the chunk's sending and the grace period)."""
+    from host.netlab.relay import UP
+    vpp, pool, chunks, lost = 256, 16, 12, 3      # one window: every chunk sent at once
+    idx = random_indices(1, chunks * vpp, 7)[0]
+
+    def lost_data(d) -> bool:
+        if d.direction != UP or len(d.data) < 32:
+            return False
+        hdr = decode_headers([d.data])
+        return header_types(hdr)[0] == TYPE_DATA and int(hdr["offset"][0]) // vpp == lost
+
+    with LossyRelay(("127.0.0.1", 0), lost_data, members=1, member_of=agg_worker) as relay:
+        svc, _ = aggregator(1, pool, addresses=relay.member_addresses)
+        relay.target = svc.address
+        t = AggregatorTransport(relay.address, job=1, worker=0, expected=1, pool_size=pool,
+                                values_per_packet=vpp, timeout=15, native=use_native,
+                                timer=RetransmitTimer(rto_init=1.0, rto_max=2.0))
+        t.flush()
+        stream = t.open_stream(len(idx), 4, background=background)
+        stream.submit(pack(idx), len(idx))
+        started = time.monotonic()
+        stream.wait_grace(chunks - 1, 2.0)
+        waited = time.monotonic() - started
+        assert waited < 0.9, waited          # the grace period, not the 1 s timer
+        assert not stream.ex.done[lost] and stream.ex.done.sum() == chunks - 1
+        assert len(relay.dropped) >= 2, relay.dropped     # sent, and sent again
+        assert t.stats.retransmissions >= 1
+        assert stream.give_up_rest().tolist() == [lost]
+        stream.finish()
+        t.close()
