@@ -1064,6 +1064,8 @@ class TensorStream:
 
     def _drive(self, until, block: bool = True, target: int | None = None,
                at_least: int | None = None) -> None:
+        if block and self.ex.all_done() and until():
+            return                   # nothing left to send or take in: no round (a C entry)
         try:
             if self._thread is None:
                 self.transport._drive(self, until, block=block, target=target,
