@@ -52,7 +52,8 @@ SAMPLE_FRACTION = 0.001     # the paper's 0.1% sample for the median estimate
 __all__ = [
     "ECN_NOT_ECT", "ECN_ECT0", "ECN_ECT1", "ECN_CE", "CONTROL_DSCP", "DEFAULT_DSCP",
     "layer_band", "layer_dscp", "sample_size", "median_abs_estimate", "packet_mean_abs",
-    "importance_ecn", "partition_importance", "partition_packet_ecn", "DlcpPolicy",
+    "importance_ecn", "partition_importance", "partition_packet_ecn", "partition_marks",
+    "DlcpPolicy",
     "tos_byte",
 ]
 
@@ -157,6 +158,30 @@ def partition_packet_ecn(important: np.ndarray, sizes: np.ndarray, values_per_pa
     return np.where(hit, important_ecn, ECN_NOT_ECT).astype(np.uint8)
 
 
+def partition_marks(norms: np.ndarray, sizes: np.ndarray, values_per_packet: int,
+                    num_packets: int, important_ecn: int = ECN_ECT0) -> np.ndarray:
+    """partition_packet_ecn(partition_importance(norms, sizes), sizes, ...) in one Numba
+    pass (host.dlcp.marking_kernels): the policy's per-chunk path, same marks and the
+    same refusals."""
+    # THC traffic only: Numba is loaded with thc already; the fp32 transport never gets here.
+    from host.dlcp import marking_kernels as kernels
+    norms = np.ascontiguousarray(norms, np.float64).reshape(-1)
+    sizes = np.ascontiguousarray(sizes, np.int64).reshape(-1)
+    if norms.shape != sizes.shape or not len(norms):
+        raise ValueError(f"{len(norms)} partition norms for {len(sizes)} partition sizes")
+    out = np.empty(num_packets, np.uint8)
+    status = kernels.partition_marks(norms, sizes, values_per_packet, num_packets,
+                                     important_ecn, ECN_NOT_ECT, out)
+    if status == kernels.MARKS_NONFINITE:
+        raise ValueError("partition norms hold NaN/inf; refusing to mark them")
+    if status == kernels.MARKS_BAD_SIZE:
+        raise ValueError("partition sizes must be positive")
+    if status == kernels.MARKS_SHORT:
+        raise ValueError(f"partitions cover {int(sizes.sum())} values, {num_packets} packets "
+                         f"of {values_per_packet} need more")
+    return out
+
+
 @dataclass
 class DlcpPolicy:
     """The default DLCP marking hook (band from layer, ECN from magnitude).
@@ -200,9 +225,8 @@ class DlcpPolicy:
         if not self.mark_importance:
             return dscp, np.full(num_packets, self.important_ecn, np.uint8)
         if partition_norms is not None:
-            important = partition_importance(partition_norms, partition_sizes)
-            return dscp, partition_packet_ecn(important, partition_sizes, values_per_packet,
-                                              num_packets, self.important_ecn)
+            return dscp, partition_marks(partition_norms, partition_sizes, values_per_packet,
+                                         num_packets, self.important_ecn)
         ecn = importance_ecn(values, values_per_packet, num_packets, self.rng,
                              self.sample_fraction, self.important_ecn)
         return dscp, ecn

@@ -11,7 +11,7 @@ import pytest
 import thc
 from host.experiments.dlcp.innetwork import drop_experiment, main_job_gradient, marks
 from host.dlcp.marking import (ECN_ECT0, ECN_NOT_ECT, DlcpPolicy, partition_importance,
-                               partition_packet_ecn)
+                               partition_marks, partition_packet_ecn)
 
 
 def test_partition_rule_marks_above_the_median_rms():
@@ -30,6 +30,31 @@ def test_every_packet_of_a_partition_carries_its_mark():
     # A packet larger than a partition is important when any partition it carries is.
     assert partition_packet_ecn(important, np.array([8, 8, 4]), 16, 2).tolist() == \
         [ECN_ECT0, ECN_NOT_ECT]
+
+
+def test_the_policys_one_pass_kernel_marks_as_the_two_rules_do():
+    """partition_marks (the Numba pass the policy runs per chunk) against the two numpy
+    rules composed: random partitions (even, with a short tail, uneven), norms with ties
+    (rounded) and zeros, packets smaller and larger than a partition; the same refusals."""
+    rng = np.random.default_rng(3)
+    for trial in range(600):
+        n, size = int(rng.integers(1, 20)), int(rng.choice([4, 8, 64]))
+        sizes = np.full(n, size, np.int64)
+        if trial % 3 == 1:
+            sizes[-1] = int(rng.integers(1, size + 1))
+        elif trial % 3 == 2:
+            sizes = rng.integers(1, 40, n)
+        norms = np.round(rng.random(n), 1) * (trial % 5 != 0)
+        vpp = int(rng.choice([1, 3, 4, 16, 100]))
+        packets = -(-int(sizes.sum()) // vpp)
+        expected = partition_packet_ecn(partition_importance(norms, sizes), sizes, vpp, packets)
+        assert partition_marks(norms, sizes, vpp, packets).tolist() == expected.tolist(), \
+            (norms, sizes, vpp)
+    for norms, sizes, packets, match in (([1.0, np.nan], [4, 4], 2, "NaN"),
+                                         ([1.0, 2.0], [4, 0], 1, "positive"),
+                                         ([1.0, 2.0], [4, 4], 3, "need more")):
+        with pytest.raises(ValueError, match=match):
+            partition_marks(np.array(norms), np.array(sizes), 4, packets)
 
 
 def test_policy_uses_partitions_on_thc_traffic_and_packets_on_fp32():
