@@ -379,10 +379,12 @@ class _AggregatorStream:
         if missing is not None:
             self.packed.pop(lo, None)
             vpp = self.exchange.transport.vpp
-            lost = np.repeat(np.asarray(missing, bool), vpp)[lo:hi]
+            c0 = lo // vpp
+            lost_chunks = np.asarray(missing, bool)[c0: -(-hi // vpp)]
             counts = self.stream.counts(lo, hi)
-            if not lost.any():
+            if not lost_chunks.any():
                 return self.stream.sums[lo:hi], counts
+            lost = np.repeat(lost_chunks, vpp)[lo - c0 * vpp: hi - c0 * vpp]
             per_value = np.broadcast_to(np.asarray(counts), (hi - lo,))
             return self.stream.sums[lo:hi], np.where(lost, 0, per_value)
         sums, counts = self.stream.sums[lo:hi], self.stream.counts(lo, hi)

@@ -1026,6 +1026,8 @@ class TensorStream:
         returns them. With an I/O thread, first out of its native call and kept out while
         the chunks change: a call running meanwhile would write back its own count of the
         done chunks over the given-up ones, and the stream would never end."""
+        if self.ex.all_done():           # (a call running meanwhile cannot undo a chunk)
+            return np.flatnonzero(~self.ex.done)
         with self._progress:
             while self._in_c:
                 os.write(self._wake_w, b"w")
