@@ -456,6 +456,18 @@ def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
     t.close()
 
 
+def _drops_data_of_chunk(chunk: int, vpp: int):
+    """A relay rule: every DATA datagram of `chunk` going up, nothing else."""
+    from host.netlab.relay import UP
+
+    def drop(d) -> bool:
+        if d.direction != UP or len(d.data) < 32:
+            return False
+        hdr = decode_headers([d.data])
+        return header_types(hdr)[0] == TYPE_DATA and int(hdr["offset"][0]) // vpp == chunk
+    return drop
+
+
 @PATHS
 @pytest.mark.parametrize("background", [False, True], ids=["caller", "io-thread"])
 def test_wait_grace_gives_the_last_chunks_a_grace_period(aggregator, use_native, background):
@@ -463,15 +475,9 @@ def test_wait_grace_gives_the_last_chunks_a_grace_period(aggregator, use_native,
     DATA of one chunk, so once the other chunks are in the wait ends a grace period of RTOs
     later, long before the stream's timeout, without that chunk; with every chunk answered
     it ends as soon as they are in. Native: the grace period starts in C (start_grace)."""
-    from host.netlab.relay import UP
     vpp, pool, chunks, lost = 256, 16, 40, 37     # no chunk waits for lost's slot
     idx = random_indices(1, chunks * vpp, 6)[0]
-
-    def drop_chunk(d) -> bool:
-        if d.direction != UP or len(d.data) < 32:
-            return False
-        hdr = decode_headers([d.data])
-        return header_types(hdr)[0] == TYPE_DATA and int(hdr["offset"][0]) // vpp == lost
+    drop_chunk = _drops_data_of_chunk(lost, vpp)
 
     for dropping, tensor in ((True, 4), (False, 5)):
         with LossyRelay(("127.0.0.1", 0), drop_chunk if dropping else None, members=1,
@@ -511,17 +517,10 @@ def test_a_grace_period_resends_a_chunk_armed_with_an_older_rto(aggregator, use_
     so it goes out again inside the grace period, which still ends long before the first
     timer would have fired. Without the re-arming it never went out again (a CI failure:
     the RTO had shrunk between the chunk's sending and the grace period)."""
-    from host.netlab.relay import UP
     vpp, pool, chunks, lost = 256, 16, 12, 3      # one window: every chunk sent at once
     idx = random_indices(1, chunks * vpp, 7)[0]
-
-    def lost_data(d) -> bool:
-        if d.direction != UP or len(d.data) < 32:
-            return False
-        hdr = decode_headers([d.data])
-        return header_types(hdr)[0] == TYPE_DATA and int(hdr["offset"][0]) // vpp == lost
-
-    with LossyRelay(("127.0.0.1", 0), lost_data, members=1, member_of=agg_worker) as relay:
+    with LossyRelay(("127.0.0.1", 0), _drops_data_of_chunk(lost, vpp), members=1,
+                    member_of=agg_worker) as relay:
         svc, _ = aggregator(1, pool, addresses=relay.member_addresses)
         relay.target = svc.address
         t = AggregatorTransport(relay.address, job=1, worker=0, expected=1, pool_size=pool,
