@@ -262,6 +262,19 @@ def _silent_ranks(store, ranks: list[int]) -> list[int]:
 
 # --------------------------------------------------------------------------- exchanges
 
+def _check_full_results(transport) -> None:
+    """Bounded loss counts a chunk as back only with every member's contribution in it.
+    With partial aggregation (min_count k below the members) every result completes at k
+    contributors, so every chunk would be decoded as lost: refused at set-up."""
+    members = bin(transport.expected).count("1")
+    if transport.min_count not in (0, members):
+        raise ValueError(
+            f"loss_bound > 0 with partial aggregation (the transport's min_count "
+            f"{transport.min_count} of {members} members): every result would complete "
+            f"with {transport.min_count} contributors and count as lost. Use loss_bound=0 "
+            "(partial aggregation already bounds the wait for stragglers), or min_count=0")
+
+
 class AggregatorExchange:
     """Integer sums through an in-network aggregator (host.transport.AggregatorTransport)."""
 
@@ -359,15 +372,10 @@ class _AggregatorStream:
         ex = stream.ex
         members = bin(transport.expected).count("1")
         need = math.ceil((1.0 - loss_bound) * ex.n_chunks)
-        full = None
-        if transport.min_count not in (0, members):
-            # Partial aggregation: a result may lack contributors, and only full ones count.
-            def full() -> int:
-                return int(np.count_nonzero(ex.done & (ex.counts == members)))
-        # Without `full`, every result comes with the full contributor set, so `need` done
-        # chunks is the rule: the wait and its grace period in one call (in C on the
+        # Every result comes with the full contributor set (_check_full_results), so `need`
+        # done chunks is the rule: the wait and its grace period in one call (in C on the
         # native path, with no hand-off to this thread between them).
-        stream.wait_grace(need, wait_rto, counted=full)
+        stream.wait_grace(need, wait_rto)
         stream.give_up_rest()
         return ~(ex.done & (ex.counts == members))
 
@@ -609,6 +617,8 @@ class THCAllreduce:
         self.loss_wait = float(loss_wait)
         # Bounded loss applies where packets can be lost: the in-network path.
         self.loss_bound = float(loss_bound) if exchange.name == "aggregator" else 0.0
+        if self.loss_bound:
+            _check_full_results(exchange.transport)
         self.loss_stats = {"tensors": 0, "chunks": 0, "missing_here": 0, "missing_agreed": 0}
         self.last_missing = None               # the last tensor's agreed lost chunks
         self._own_group = group is None and dist.get_world_size() > 1

@@ -978,24 +978,22 @@ class TensorStream:
         finally:
             self.until = float("inf")
 
-    def wait_grace(self, at_least: int, grace_rtos: float, counted=None) -> None:
+    def wait_grace(self, at_least: int, grace_rtos: float) -> None:
         """Block until every chunk is done, or until grace_rtos retransmission timeouts
         after at_least chunks are done, whichever comes first (a bounded-loss rule: wait
         for the chunks it needs, then give the rest a grace period; 0: none). The chunks
-        overdue when the grace period starts go out again at once, as after a stall.
-        counted: how many done chunks count towards at_least (default: every done one).
-        On the native path, without `counted`, the whole wait is one C call (start_grace):
-        no hand-off to Python between the two parts."""
+        overdue when the grace period starts go out again at once, as after a stall, and
+        every pending chunk's timer fires within one RTO. On the native path the whole wait
+        is one C call (start_grace): no hand-off to Python between the two parts."""
         self._check_open()
         ex, t = self.ex, self.transport
-        if counted is not None or not t._native_for(self):
-            count = counted or (lambda: ex._n_done)
+        if not t._native_for(self):
             grace = {}
 
             def enough() -> bool:
                 if ex.all_done():
                     return True
-                if count() < at_least:
+                if ex._n_done < at_least:
                     return False
                 now, rto = time.monotonic(), t.timer.rto
                 if grace_rtos:

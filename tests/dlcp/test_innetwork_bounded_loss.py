@@ -290,3 +290,35 @@ def test_error_feedback_keeps_the_share_of_lost_chunks(run):
         np.testing.assert_allclose(e[lost], x[lost], rtol=0, atol=1e-5 * np.abs(x).max())
         # Delivered: only the quantization error stays.
         assert np.linalg.norm(e[~lost]) < 0.3 * np.linalg.norm(x[~lost])
+
+
+def test_bounded_loss_with_partial_aggregation_is_refused_at_set_up():
+    """With min_count k below the members, every result completes with k contributors, and
+    bounded loss counts only full results as back: every chunk would be decoded as lost.
+    The allreduce refuses the pair at set-up and says what to change; min_count equal to
+    the members (or 0) is the full set and is accepted."""
+    import torch.distributed as dist
+
+    from host.allreduce import AggregatorExchange, THCAllreduce
+    from host.transport import AggregatorTransport
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    codec = thc.THCCodec(seed=0)
+    try:
+        for min_count, refused in ((1, True), (2, False), (0, False)):
+            t = AggregatorTransport(("127.0.0.1", _free_port()), job=1, worker=0,
+                                    expected=0b11, min_count=min_count, pool_size=8)
+            try:
+                if refused:
+                    with pytest.raises(ValueError, match="min_count 1 of 2 members.*"
+                                                         "loss_bound=0"):
+                        THCAllreduce(codec, AggregatorExchange(t, codec), loss_bound=0.1)
+                else:
+                    ar = THCAllreduce(codec, AggregatorExchange(t, codec), loss_bound=0.1)
+                    assert ar.loss_bound == 0.1
+                # exact calls take partial results as they always did
+                THCAllreduce(codec, AggregatorExchange(t, codec), loss_bound=0.0)
+            finally:
+                t.close()
+    finally:
+        dist.destroy_process_group()
