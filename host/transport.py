@@ -1064,7 +1064,7 @@ class TensorStream:
 
     def _drive(self, until, block: bool = True, target: int | None = None,
                at_least: int | None = None) -> None:
-        if block and self.ex.all_done() and until():
+        if block and self._thread is None and self.ex.all_done() and until():
             return                   # nothing left to send or take in: no round (a C entry)
         try:
             if self._thread is None:
