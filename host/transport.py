@@ -1005,8 +1005,7 @@ class TensorStream:
                     ex.deadline[pending] = np.minimum(ex.deadline[pending], now + rto)
                 grace["end"] = now + grace_rtos * rto
                 return True
-            # enough() needs at_least chunks done: until then the native loop waits alone
-            self.wait_until(enough, at_least=at_least)
+            self.wait_until(enough)
             if self._thread is not None:
                 os.write(self._wake_w, b"g")     # its sleep was timed by the old deadlines
             if grace_rtos and not ex.all_done():

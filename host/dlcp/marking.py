@@ -167,8 +167,10 @@ def partition_marks(norms: np.ndarray, sizes: np.ndarray, values_per_packet: int
     from host.dlcp import marking_kernels as kernels
     norms = np.ascontiguousarray(norms, np.float64).reshape(-1)
     sizes = np.ascontiguousarray(sizes, np.int64).reshape(-1)
-    if norms.shape != sizes.shape or not len(norms):
+    if norms.shape != sizes.shape:
         raise ValueError(f"{len(norms)} partition norms for {len(sizes)} partition sizes")
+    if not len(norms):
+        raise ValueError("no partitions to mark")
     out = np.empty(num_packets, np.uint8)
     status = kernels.partition_marks(norms, sizes, values_per_packet, num_packets,
                                      important_ecn, ECN_NOT_ECT, out)
