@@ -14,7 +14,9 @@ back, member, bytes) and returns True to drop it:
 * `random_loss(up, down, seed)`: seeded random loss in both directions;
 * `dlcp_loss(rate, seed, first_only)` and `dlcp_rule(fn)`: drops of DLCP DATA datagrams
   (host.dlcp.transport), chosen at random or by their header fields;
-* `any_of(rule, ...)`: the first rule that drops wins (later ones are not asked).
+* `any_of(rule, ...)`: the first rule that drops wins (later ones are not asked);
+* `agg_worker(data)`, `agg_chunk(data, ptype, vpp)`: the member and the chunk of an AGG
+  datagram, for rules on the THC path.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from host.dlcp.transport import DATA_HEADER, DATA_HEADER_LEN, FLAG_RETX
-from host.packets import HEADER_LEN
+from host.packets import HEADER_LEN, decode_headers, header_types
 
 UP, DOWN = "up", "down"
 IP_RECVTOS = getattr(socket, "IP_RECVTOS", 13)
@@ -97,6 +99,20 @@ def any_of(*rules: DropRule) -> DropRule:
 def agg_worker(data: bytes) -> int | None:
     """The member of an AGG datagram: its worker byte (None when too short)."""
     return data[AGG_WORKER_BYTE] if len(data) >= HEADER_LEN else None
+
+
+def agg_chunk(data: bytes, ptype: int, values_per_packet: int,
+              tensor: int | None = None) -> int | None:
+    """The chunk of an AGG datagram of type `ptype` (and of `tensor`, when given): its
+    offset over the values per packet; None for any other datagram."""
+    if len(data) < HEADER_LEN:
+        return None
+    hdr = decode_headers([data])
+    if header_types(hdr)[0] != ptype:
+        return None
+    if tensor is not None and int(hdr[0]["tensor"]) != tensor:
+        return None
+    return int(hdr[0]["offset"]) // values_per_packet
 
 
 class LossyRelay:

@@ -22,8 +22,9 @@ import pytest
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
-from host.netlab.relay import DOWN, UP, LossyRelay, agg_worker, any_of, random_loss
-from host.packets import HEADER_LEN, TYPE_DATA, TYPE_RESULT, decode_headers, header_types
+from host.netlab.relay import (DOWN, UP, LossyRelay, agg_chunk, agg_worker, any_of,
+                               random_loss)
+from host.packets import TYPE_DATA, TYPE_RESULT
 
 WORLD = 3
 D = 50_000
@@ -38,12 +39,7 @@ TENSOR = 0              # the tensor id whose chunks the two fixed drops pick
 
 
 def _chunk(data: bytes, ptype: int):
-    if len(data) < HEADER_LEN:
-        return None
-    hdr = decode_headers([data])
-    if header_types(hdr)[0] != ptype or int(hdr[0]["tensor"]) != TENSOR:
-        return None
-    return int(hdr[0]["offset"]) // VPP
+    return agg_chunk(data, ptype, VPP, TENSOR)
 
 
 def blackholed(d) -> bool:

@@ -458,14 +458,8 @@ def test_wait_all_ends_at_its_time_limit(aggregator, use_native, background):
 
 def _drops_data_of_chunk(chunk: int, vpp: int):
     """A relay rule: every DATA datagram of `chunk` going up, nothing else."""
-    from host.netlab.relay import UP
-
-    def drop(d) -> bool:
-        if d.direction != UP or len(d.data) < 32:
-            return False
-        hdr = decode_headers([d.data])
-        return header_types(hdr)[0] == TYPE_DATA and int(hdr["offset"][0]) // vpp == chunk
-    return drop
+    from host.netlab.relay import UP, agg_chunk
+    return lambda d: d.direction == UP and agg_chunk(d.data, TYPE_DATA, vpp) == chunk
 
 
 @PATHS
