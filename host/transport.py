@@ -997,12 +997,7 @@ class TensorStream:
                     return False
                 now, rto = time.monotonic(), t.timer.rto
                 if grace_rtos:
-                    # As after a stall: the overdue chunks go out at once, no further loss
-                    # evidence needed (_Exchange.expired); a timer armed with an older,
-                    # larger RTO would not fire inside the grace period: re-armed to one.
-                    ex.last_progress = min(ex.last_progress, now - rto)
-                    pending = ~ex.done & ex.sent
-                    ex.deadline[pending] = np.minimum(ex.deadline[pending], now + rto)
+                    ex.start_grace(now, rto)
                 grace["end"] = now + grace_rtos * rto
                 return True
             self.wait_until(enough)
@@ -1295,6 +1290,15 @@ class _Exchange:
         self.sent_at[chunks] = now
         self.backoff[chunks] = np.minimum(self.backoff[chunks] * 2, 64)
         self.deadline[chunks] = now + np.minimum(timer.rto * self.backoff[chunks], timer.rto_max)
+
+    def start_grace(self, now, rto) -> None:
+        """A bounded-loss grace period starts (TensorStream.wait_grace): as after a stall,
+        the overdue chunks go out at once, no further loss evidence needed (expired), and
+        every pending chunk's timer is re-armed to at most one RTO from now (armed with an
+        older, larger RTO it would not fire inside the grace period)."""
+        self.last_progress = min(self.last_progress, now - rto)
+        pending = ~self.done & self.sent
+        self.deadline[pending] = np.minimum(self.deadline[pending], now + rto)
 
     def next_deadline(self, now, rto) -> float:
         """When the next retransmission may be due (held-back chunks: at a stall)."""

@@ -568,10 +568,9 @@ static int alloc_scratch(struct dp_stream *s, struct scratch *m)
 }
 
 /* A grace period that starts once grace_at chunks are done (a bounded-loss rule, as
- * host.allreduce's settle states it): the call ends at most grace_rtos RTOs later, and
- * the chunks already overdue go out again at once, as after a stall. A pending chunk's
- * timer is re-armed to at most one RTO from now: armed with an older, larger RTO (the
- * initial one, before any RTT sample) it would not fire inside the grace period. */
+ * host.allreduce's settle states it): the call ends at most grace_rtos RTOs later; the
+ * chunks already overdue go out again at once and every pending chunk's timer is
+ * re-armed to at most one RTO, as _Exchange.start_grace does. */
 static void start_grace(struct dp_stream *s)
 {
     if (s->grace_at < 0 || s->n_done < s->grace_at)
