@@ -77,7 +77,11 @@ def _optimal_table(bits: int, granularity: int, p: float, symmetric: bool) -> tu
     cost = _grid_costs(granularity, p)
     if not symmetric:
         _, parent = _shortest_paths(cost, levels - 1)
-        return tuple(_backtrack(parent, levels - 1, granularity))
+        path = _backtrack(parent, levels - 1, granularity)
+        # phi is even, so the mirrored table costs exactly the same: the two tie, and which
+        # one the float comparison picks depends on the machine's rounding in norm.cdf.
+        # The lexicographically smaller one, so that every machine derives the same table.
+        return tuple(min(path, [granularity - v for v in reversed(path)]))
     # Reflection symmetry T[z] + T[L-1-z] = g: a half path 0 -> c with L/2 - 1 edges,
     # mirrored, joined by the middle interval [c, g - c]. phi is even, so the mirrored
     # half costs the same as the half.
