@@ -559,17 +559,31 @@ def sum_squares(x, starts, lengths, chunk):
 
 
 # ---- quantizer ----------------------------------------------------------------------------
-def _host_has_avx512() -> bool:
+def _host_has(feature: str) -> bool:
     name = numba.config.CPU_NAME
     if name and name != "host":
-        return "+avx512f" in (numba.config.CPU_FEATURES or "")
-    return bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
+        return f"+{feature}" in (numba.config.CPU_FEATURES or "")
+    return bool(llvm_binding.get_host_cpu_features().get(feature, False))
 
 
-# AVX-512 looks the small tables up with in-register permutes (vpermt2d, vpermps) instead
-# of gathers: the grid has g + 1 <= 32 cells and the table 16 intervals, so each table
-# fits in one or two vector registers.
-PERMUTE_LOOKUP = _host_has_avx512() and numba.config.CPU_NAME in (None, "host")
+def _host_has_avx512() -> bool:
+    return _host_has("avx512f")
+
+
+def _permute_lookup() -> str | None:
+    """Which in-register lookup the target's vectors allow: "avx512" (vpermt2d, vpermps
+    on 16 lanes; the host's own CPU only), "avx2" (vpermd, vpermps on 8 lanes, blended;
+    also a fixed target whose NUMBA_CPU_FEATURES name +avx2), or None (gathers)."""
+    if _host_has_avx512() and numba.config.CPU_NAME in (None, "host"):
+        return "avx512"
+    return "avx2" if _host_has("avx2") else None
+
+
+# The small tables are looked up with in-register permutes instead of gathers: the grid
+# has g + 1 <= 32 cells and the table 16 intervals, so each table fits in a few vector
+# registers. Without them LLVM turns a gather into 16 scalar loads on CPUs whose gathers
+# it rates slow (AMD before Zen 3), the quantizer's main cost there.
+PERMUTE_LOOKUP = _permute_lookup()
 PERMUTE_MAX_G = 31
 
 
@@ -638,6 +652,46 @@ class _PermuteLookup:
         return self.builder.call(fn, [table, idx])
 
 
+class _Avx2PermuteLookup:
+    """The same tables in registers for AVX2: 8-lane vpermd / vpermps take the low 3 bits
+    of each index, so a table of 8n entries is n registers and a lookup is n permutes per
+    half vector, blended by the index's high bits; needs g <= 31."""
+
+    def __init__(self, builder, cells_ptr, inv_ptr, table_ptr):
+        self.builder = builder
+        self.cells = self._load(cells_ptr, _I32, 4)
+        self.inv = self._load(inv_ptr, _F32, 2)
+        self.table = self._load(table_ptr, _F32, 2)
+
+    def _load(self, ptr, elem, parts):
+        v8 = ir.VectorType(elem, 8)
+        return [self.builder.load(self.builder.bitcast(self.builder.gep(
+            ptr, [ir.Constant(_I64, 8 * k)]), v8.as_pointer()), align=4) for k in range(parts)]
+
+    def cell(self, idx):
+        return self._lookup(self.cells, idx, "llvm.x86.avx2.permd", _I32)
+
+    def inv_width(self, j):
+        return self._lookup(self.inv, j, "llvm.x86.avx2.permps", _F32)
+
+    def value(self, z):
+        return self._lookup(self.table, z, "llvm.x86.avx2.permps", _F32)
+
+    def _lookup(self, parts, idx, name, elem):
+        b = self.builder
+        v8, i8 = ir.VectorType(elem, 8), ir.VectorType(_I32, 8)
+        fn = _x86_fn(b, name, v8, [v8, i8])
+        halves = []
+        for h in range(2):
+            ix = b.shuffle_vector(idx, idx, _const_vec(i8, range(8 * h, 8 * h + 8)))
+            out = b.call(fn, [parts[0], ix])
+            for k in range(1, len(parts)):
+                above = b.icmp_unsigned(">=", ix, _const_vec(i8, [8 * k] * 8))
+                out = b.select(above, b.call(fn, [parts[k], ix]), out)
+            halves.append(out)
+        return b.shuffle_vector(halves[0], halves[1], _const_vec(_VI32, range(LANES)))
+
+
 def _quantize_lanes(builder, x, m, sc, g, u, lookup):
     """The reference's index for 16 elements: clamp to [-m, m], y = min((x + m) sc, g),
     j and T[j] from the cell floor(y), round up when u < (y - T[j]) * inv_width[j]."""
@@ -645,9 +699,11 @@ def _quantize_lanes(builder, x, m, sc, g, u, lookup):
     x = builder.select(builder.fcmp_ordered("<", x, m), x, m)
     y = builder.fmul(builder.fadd(x, m), sc)
     y = builder.select(builder.fcmp_ordered("<", y, g), y, g)
-    packed = lookup.cell(builder.fptoui(y, _VI32))          # (T[j] << 8) | j
+    # y is in [0, g] and T[j] < 2^23: the signed conversions (one instruction on AVX2,
+    # which has no unsigned ones) give the same numbers as unsigned ones would.
+    packed = lookup.cell(builder.fptosi(y, _VI32))          # (T[j] << 8) | j
     j = builder.and_(packed, _const_vec(_VI32, [255] * LANES))
-    lo = builder.uitofp(builder.lshr(packed, _const_vec(_VI32, [8] * LANES)), _VF)
+    lo = builder.sitofp(builder.lshr(packed, _const_vec(_VI32, [8] * LANES)), _VF)
     up = builder.fcmp_ordered("<", u, builder.fmul(builder.fsub(y, lo), lookup.inv_width(j)))
     return builder.add(j, builder.zext(up, _VI32))
 
@@ -684,11 +740,13 @@ def _quantize_kernel(lookup_cls):
             word = _mix64(builder, builder.add(_splat(builder, key_v, _VI64), builder.mul(
                 counters, _const_vec(_VI64, [rng.GOLDEN] * LANES))))
             unit = _const_vec(_VF, [float(rng.UNIFORM_SCALE)] * LANES)
-            u_even = builder.fmul(builder.uitofp(
-                builder.lshr(word, _const_vec(_VI64, [40] * LANES)), _VF), unit)
-            u_odd = builder.fmul(builder.uitofp(builder.and_(
+            # 24-bit fields: truncated to i32 they convert exactly with the signed i32 ->
+            # float instruction (AVX2 has no i64 -> float one; LLVM would go lane by lane)
+            u_even = builder.fmul(builder.sitofp(builder.trunc(
+                builder.lshr(word, _const_vec(_VI64, [40] * LANES)), _VI32), _VF), unit)
+            u_odd = builder.fmul(builder.sitofp(builder.trunc(builder.and_(
                 builder.lshr(word, _const_vec(_VI64, [8] * LANES)),
-                _const_vec(_VI64, [0xFFFFFF] * LANES)), _VF), unit)
+                _const_vec(_VI64, [0xFFFFFF] * LANES)), _VI32), _VF), unit)
             inf = _const_vec(_VF, [float("inf")] * LANES)
             zeros = _const_vec(_VF, [0.0] * LANES)
             m, sc, g = (_splat(builder, v) for v in (m_v, sc_v, g_v))
@@ -719,7 +777,8 @@ def _quantize_kernel(lookup_cls):
 
 
 _quantize32_gather = _quantize_kernel(_GatherLookup)
-_quantize32_fast = _quantize_kernel(_PermuteLookup) if PERMUTE_LOOKUP else _quantize32_gather
+_quantize32_fast = (_quantize_kernel({"avx512": _PermuteLookup, "avx2": _Avx2PermuteLookup}
+                                     [PERMUTE_LOOKUP]) if PERMUTE_LOOKUP else _quantize32_gather)
 
 
 def _fabs_fn(builder):

@@ -171,19 +171,19 @@ def test_rotate_matches_fht_cpu_up_to_scaling(rs):
     np.testing.assert_allclose(codec.rotate(x), want, rtol=0, atol=1e-5)
 
 
-def test_portable_build_matches_reference(tmp_path):
-    """The kernels compiled for a generic x86-64 target (no FMA, no AVX-512: select-based
-    lane butterflies, gathered tables) give the same bits as the reference."""
+def _run_codec_check(tmp_path, env_extra: dict, assertion: str) -> None:
+    """Quantize and both RHTs in a fresh process under env_extra (a Numba target), against
+    the numpy reference, bit for bit."""
     import os
     import subprocess
     import sys
     from pathlib import Path
-    script = tmp_path / "portable.py"
+    script = tmp_path / "target_check.py"
     script.write_text(
         "import numpy as np\n"
         "import thc\n"
         "from thc import vector_kernels as vk\n"
-        "assert not vk.USE_FMA and not vk.PERMUTE_LOOKUP\n"
+        f"{assertion}\n"
         "rs = np.random.default_rng(0)\n"
         "for ps, d in ((16, 40), (256, 600), (1 << 13, 20000)):\n"
         "    ref = thc.THCCodec(partition_size=ps, backend='numpy')\n"
@@ -195,11 +195,30 @@ def test_portable_build_matches_reference(tmp_path):
         "    n = ref.partition_norms(x)\n"
         "    assert np.array_equal(cpu.quantize(y, n, worker=1, round=2, tensor=3),\n"
         "                          ref.quantize(y, n, worker=1, round=2, tensor=3))\n"
-        "print('portable ok')\n")
+        "print('target ok')\n")
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               **env_extra)
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "portable ok" in proc.stdout
+    assert "target ok" in proc.stdout
+
+
+def test_avx2_build_matches_reference(tmp_path):
+    """The kernels compiled for an AVX2 target without AVX-512 (8-lane permute lookups in
+    the quantizer) give the same bits as the reference, whatever this host has above AVX2."""
+    from llvmlite import binding
+    if not binding.get_host_cpu_features().get("avx2", False):
+        pytest.skip("this CPU has no AVX2")
+    _run_codec_check(tmp_path, {"NUMBA_CPU_NAME": "haswell",
+                                "NUMBA_CPU_FEATURES": "+avx,+avx2,+fma,+sse4.2,+popcnt,+bmi2"},
+                     "assert vk.PERMUTE_LOOKUP == 'avx2', vk.PERMUTE_LOOKUP")
+
+
+def test_portable_build_matches_reference(tmp_path):
+    """The kernels compiled for a generic x86-64 target (no FMA, no AVX-512: select-based
+    lane butterflies, gathered tables) give the same bits as the reference."""
+    _run_codec_check(tmp_path, {"NUMBA_CPU_NAME": "generic"},
+                     "assert not vk.USE_FMA and not vk.PERMUTE_LOOKUP")
