@@ -410,6 +410,7 @@ class DlcpReceiver:
         # (older ones as early drops); bounded, as ids grow with the iteration
         self._finished_ids: dict[int, None] = {}
         self._errors: list[str] = []
+        self._failure: BaseException | None = None   # what ended the event loop, if anything
         self._cond = threading.Condition()
         self._readers: dict[socket.socket, FrameReader] = {}
         self._dead: set[socket.socket] = set()
@@ -448,6 +449,9 @@ class DlcpReceiver:
         deadline = time.monotonic() + timeout
         with self._cond:
             while tensor_id not in self._done:
+                if self._failure is not None:
+                    raise DlcpError(f"tensor {tensor_id}: the receiver stopped: "
+                                    f"{self._failure!r}") from self._failure
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"tensor {tensor_id} not delivered within {timeout} s")
@@ -456,6 +460,25 @@ class DlcpReceiver:
 
     # -- event loop --
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:       # reported to the senders and to wait(), with its traceback
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The event loop died: every sender with an iteration in flight gets an ERROR
+        naming the cause (its send raises at once instead of timing out), every control
+        connection is closed, and wait() raises."""
+        why = f"receiver stopped: {exc!r}"
+        for it in list(self._iterations.values()):
+            self._send(it.conn, frame(MSG_ERROR, ID_BODY.pack(it.key) + why.encode()))
+        for conn in list(self._readers):
+            conn.close()
+        with self._cond:
+            self._failure = exc
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
         next_report = time.monotonic() + self.report_period_s
         while not self._stop.is_set():
             timeout = 0.05

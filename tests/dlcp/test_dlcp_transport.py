@@ -411,6 +411,29 @@ def test_rate_state_carries_across_tensors_and_iterations(receiver):
     assert first >= 0.9 * 2 * 2 * ideal and second >= 0.9 * 2 * ideal
 
 
+def test_a_receiver_that_dies_fails_its_senders_at_once_with_the_cause():
+    """An exception in the receiver's event loop (here injected into its rate reports) is
+    not a silent stall: the sender mid-iteration gets an ERROR naming it and raises at once,
+    not after its timeout; wait() raises with it; a later ANNOUNCE finds the connection
+    closed."""
+    def broken_reports(now):
+        raise RuntimeError("injected fault in the rate reports")
+
+    x = np.ones(350_000, np.float32)                     # 1000 segments: still sending
+    with DlcpReceiver(report_period_s=0.001) as r, \
+            DlcpSender(r.udp_addr, r.tcp_addr, link_bps=2e8, bounds=LossBounds(0.0, 0.0),
+                       timeout_s=60) as s:
+        r._send_rate_reports = broken_reports
+        t = time.monotonic()
+        with pytest.raises(DlcpError, match="injected fault"):
+            s.send_iteration([TensorToSend(900, x)], iteration=0)
+        assert time.monotonic() - t < 5
+        with pytest.raises(DlcpError, match="receiver stopped.*injected fault"):
+            r.wait(900, 5)
+        with pytest.raises(DlcpError, match="closed"):
+            s.send_iteration([TensorToSend(901, x)], iteration=1)
+
+
 def test_announce_refusals_and_malformed_control(receiver, raw_sender):
     with pytest.raises(ValueError, match="distinct"):
         DlcpSender(receiver.udp_addr, receiver.tcp_addr).send_iteration(
