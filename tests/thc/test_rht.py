@@ -195,6 +195,10 @@ def _run_codec_check(tmp_path, env_extra: dict, assertion: str) -> None:
         "    n = ref.partition_norms(x)\n"
         "    assert np.array_equal(cpu.quantize(y, n, worker=1, round=2, tensor=3),\n"
         "                          ref.quantize(y, n, worker=1, round=2, tensor=3))\n"
+        "    err_cpu, err_ref = np.empty_like(y), np.empty_like(y)\n"   # the fused error pass
+        "    cpu.quantize(y, n, worker=1, round=2, tensor=3, error_out=err_cpu)\n"
+        "    ref.quantize(y, n, worker=1, round=2, tensor=3, error_out=err_ref)\n"
+        "    assert np.array_equal(err_cpu, err_ref)\n"
         "print('target ok')\n")
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"),
