@@ -468,12 +468,13 @@ class DlcpReceiver:
     def _fail(self, exc: BaseException) -> None:
         """The event loop died: every sender with an iteration in flight gets an ERROR
         naming the cause (its send raises at once instead of timing out), every control
-        connection is closed, and wait() raises."""
+        connection is closed (a sender between iterations reads that as the end) and so is
+        the listener (a new sender's connect is refused), and wait() raises."""
         why = f"receiver stopped: {exc!r}"
         for it in list(self._iterations.values()):
             self._send(it.conn, frame(MSG_ERROR, ID_BODY.pack(it.key) + why.encode()))
-        for conn in list(self._readers):
-            conn.close()
+        for sock in list(self._readers) + [self.listener]:
+            sock.close()
         with self._cond:
             self._failure = exc
             self._cond.notify_all()

@@ -197,8 +197,11 @@ def test_h9_data_before_start_dropped_and_counted(receiver, raw_sender):
 
 
 def test_h9_zero_rtt_sender_start_after_data(receiver):
+    # The ANNOUNCE goes 0.1 s after the data (which takes about 11 ms at this rate): the
+    # receiver handles control first when both are pending, so with a 5 ms delay a receiver
+    # thread descheduled that long on a loaded machine saw the ANNOUNCE first, no early drop.
     x = grad(35_000, 9)
-    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=1e8, start_delay_s=0.005,
+    with DlcpSender(receiver.udp_addr, receiver.tcp_addr, link_bps=1e8, start_delay_s=0.1,
                     bounds=LossBounds(0.0, 0.0)) as s:
         st = s.send_tensor(91, x)
         res = receiver.wait(91, 10)
@@ -412,12 +415,16 @@ def test_rate_state_carries_across_tensors_and_iterations(receiver):
 
 
 def test_a_receiver_that_dies_fails_its_senders_at_once_with_the_cause():
-    """An exception in the receiver's event loop (here injected into its rate reports) is
-    not a silent stall: the sender mid-iteration gets an ERROR naming it and raises at once,
-    not after its timeout; wait() raises with it; a later ANNOUNCE finds the connection
-    closed."""
+    """An exception in the receiver's event loop (here injected into its rate reports once
+    the iteration is registered) is not a silent stall: the sender mid-iteration gets an
+    ERROR naming it and raises at once, not after its timeout; wait() raises with it; a
+    later ANNOUNCE finds the connection closed, and a new sender cannot connect."""
+    reports = DlcpReceiver._send_rate_reports
+
     def broken_reports(now):
-        raise RuntimeError("injected fault in the rate reports")
+        if r._iterations:
+            raise RuntimeError("injected fault in the rate reports")
+        reports(r, now)
 
     x = np.ones(350_000, np.float32)                     # 1000 segments: still sending
     with DlcpReceiver(report_period_s=0.001) as r, \
@@ -432,6 +439,8 @@ def test_a_receiver_that_dies_fails_its_senders_at_once_with_the_cause():
             r.wait(900, 5)
         with pytest.raises(DlcpError, match="closed"):
             s.send_iteration([TensorToSend(901, x)], iteration=1)
+        with pytest.raises(OSError):
+            DlcpSender(r.udp_addr, r.tcp_addr)
 
 
 def test_announce_refusals_and_malformed_control(receiver, raw_sender):
