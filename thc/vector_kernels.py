@@ -54,14 +54,15 @@ _VI64 = ir.VectorType(_I64, LANES)
 _VI8 = ir.VectorType(_I8, LANES)
 
 
-def _host_has_fma() -> bool:
+def _host_has(feature: str) -> bool:
+    """Whether the compile target has an LLVM CPU feature ("fma", "avx2", "avx512f")."""
     name = numba.config.CPU_NAME
     if name and name != "host":                       # a fixed target (e.g. portable cache)
-        return "+fma" in (numba.config.CPU_FEATURES or "")
-    return bool(llvm_binding.get_host_cpu_features().get("fma", False))
+        return f"+{feature}" in (numba.config.CPU_FEATURES or "")
+    return bool(llvm_binding.get_host_cpu_features().get(feature, False))
 
 
-USE_FMA = _host_has_fma()
+USE_FMA = _host_has("fma")
 
 
 # ---- IR helpers ---------------------------------------------------------------------------
@@ -559,22 +560,11 @@ def sum_squares(x, starts, lengths, chunk):
 
 
 # ---- quantizer ----------------------------------------------------------------------------
-def _host_has(feature: str) -> bool:
-    name = numba.config.CPU_NAME
-    if name and name != "host":
-        return f"+{feature}" in (numba.config.CPU_FEATURES or "")
-    return bool(llvm_binding.get_host_cpu_features().get(feature, False))
-
-
-def _host_has_avx512() -> bool:
-    return _host_has("avx512f")
-
-
 def _permute_lookup() -> str | None:
     """Which in-register lookup the target's vectors allow: "avx512" (vpermt2d, vpermps
     on 16 lanes; the host's own CPU only), "avx2" (vpermd, vpermps on 8 lanes, blended;
     also a fixed target whose NUMBA_CPU_FEATURES name +avx2), or None (gathers)."""
-    if _host_has_avx512() and numba.config.CPU_NAME in (None, "host"):
+    if _host_has("avx512f") and numba.config.CPU_NAME in (None, "host"):
         return "avx512"
     return "avx2" if _host_has("avx2") else None
 

@@ -15,8 +15,8 @@ back, member, bytes) and returns True to drop it:
 * `dlcp_loss(rate, seed, first_only)` and `dlcp_rule(fn)`: drops of DLCP DATA datagrams
   (host.dlcp.transport), chosen at random or by their header fields;
 * `any_of(rule, ...)`: the first rule that drops wins (later ones are not asked);
-* `agg_worker(data)`, `agg_chunk(data, ptype, vpp)`: the member and the chunk of an AGG
-  datagram, for rules on the THC path.
+* `agg_worker(data)`, `agg_chunk(data, ptype, vpp, tensor=None)`: the member and the
+  chunk of an AGG datagram, for rules on the THC path.
 """
 from __future__ import annotations
 
