@@ -172,17 +172,27 @@ class ExchangeThread:
 
 
 def _numba_threads() -> int | None:
-    """Codec threads of the exchange thread: this worker's share of the machine's cores
-    (torchrun's LOCAL_WORLD_SIZE workers share them), at least 1, at most what Numba has.
-    More would not make the memory-bound codec faster; between parallel regions they spin
-    (libgomp's default wait policy), taking the cores the other workers and the training
-    thread need."""
+    """Codec threads of the exchange thread (None: Numba not loaded, nothing to set)."""
     if "numba" not in sys.modules:
         return None
-    numba = sys.modules["numba"]
+    return codec_threads(sys.modules["numba"].get_num_threads())
+
+
+def codec_threads(available: int) -> int:
+    """How many of `available` Numba threads a worker's codec uses: its share of the
+    machine's cores (torchrun's LOCAL_WORLD_SIZE workers share them), at least 1. More
+    would not make the memory-bound codec faster. Where libgomp spins (its default wait
+    policy: each idle codec thread busy-waits after every parallel region), one core of the
+    share is left to the worker's other threads, the training thread and the datagram
+    path's I/O thread: on 2 cores a lone worker's 16 MB call took 117 ms of CPU and 134 ms
+    of wall time with 2 spinning codec threads, 66 and 114 ms with one (docs/perf.md,
+    "One worker's CPU"). With OMP_WAIT_POLICY=passive in the environment the whole share
+    is used."""
     local_workers = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     share = max(1, (os.cpu_count() or 1) // local_workers)
-    return min(numba.get_num_threads(), share)
+    if share > 1 and os.environ.get("OMP_WAIT_POLICY", "").strip().lower() != "passive":
+        share -= 1
+    return max(1, min(available, share))
 
 
 _EXCHANGE_THREAD = ExchangeThread()

@@ -278,3 +278,23 @@ def test_the_codec_lets_the_training_thread_run():
         numba.set_num_threads(threads)
     # Holding the GIL, the kernel would leave one gap as long as itself (ratio ~1).
     assert best < 0.5, best
+
+
+@pytest.mark.parametrize("cpus, local_workers, policy, available, expected", [
+    (2, 1, None, 2, 1),          # spinning threads: one core of the two stays free
+    (2, 1, "PASSIVE", 2, 2),     # threads that sleep when idle may take the whole share
+    (2, 4, None, 2, 1),          # more workers than cores: one thread each, never zero
+    (16, 2, None, 16, 7),
+    (16, 2, "passive", 16, 8),
+    (16, 1, None, 4, 4),         # never more than Numba has
+])
+def test_codec_threads_leave_a_core_to_the_worker_where_libgomp_spins(
+        monkeypatch, cpus, local_workers, policy, available, expected):
+    from host.allreduce import codec_threads
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_workers))
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    assert codec_threads(available) == expected
