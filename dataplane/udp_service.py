@@ -192,7 +192,16 @@ def _serve_process(config, host, port) -> ServiceHandle:
     proc = mp.get_context("spawn").Process(target=_child_main, daemon=True,
                                            args=(config.to_dict(), host, port, child))
     proc.start()
-    kind, value = parent.recv()
+    child.close()        # the child's end lives in the child only: its exit is our EOF
+    try:
+        kind, value = parent.recv()
+    except EOFError:
+        proc.join(10)
+        raise RuntimeError(
+            f"the aggregator service's process ended before serving (exit code "
+            f"{proc.exitcode}); its error is above on stderr. A script that starts the "
+            "service with process=True must do so under `if __name__ == \"__main__\":`, "
+            "because the child process imports the script again") from None
     if kind == "error":
         proc.join()
         raise ConfigError(value) if "ConfigError" in value else RuntimeError(value)

@@ -82,6 +82,7 @@ class _Sink:
         self._proc = mp.get_context("spawn").Process(target=_sink_child, args=(host, child),
                                                      daemon=True)
         self._proc.start()
+        child.close()        # the child's exit is then an EOFError here, not a hang
         self.address = tuple(self._conn.recv())
 
     def received(self) -> int:

@@ -213,3 +213,22 @@ def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers):
                 assert [(level, kind, c[0]) for level, kind, c in anc] == \
                     [(socket.IPPROTO_IP, socket.IP_TOS, tos_last)]
 
+
+
+def test_a_service_process_that_dies_before_serving_raises_instead_of_hanging(tmp_path):
+    """A script without a `__main__` guard: the spawned child imports it again and dies
+    starting a process of its own while bootstrapping. The parent, which waited for the
+    child's address forever, now gets the child's exit as an error that names the fix."""
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(
+        "from dataplane.config import Job, Member, SwitchConfig\n"
+        "from dataplane.udp_service import serve\n"
+        "from tests.packet.scenario import TABLE\n"
+        "member = Member(0, 0, '02:00:00:00:00:01', '127.0.0.1', 9)\n"
+        "serve(SwitchConfig(jobs=(Job(1, 8, TABLE, (member,)),)), '127.0.0.1', 0,"
+        " process=True)\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "ended before serving" in out.stderr and "__main__" in out.stderr, out.stderr[-2000:]
