@@ -51,6 +51,7 @@ from dataplane.config import Job, Member, SwitchConfig
 from dataplane.udp_service import serve
 from host import native
 from host.allreduce import AggregatorExchange, THCAllreduce, codec_threads
+from host.ddp_hook import INNETWORK_PARTITION_SIZE
 from host.transport import RESULT_MODERATION_S, AggregatorTransport, TensorStream
 
 WARMUP_CALLS = 2
@@ -206,7 +207,9 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
     d = int(mb * (1 << 20)) // 4
     x = torch.from_numpy(np.random.default_rng(0).standard_normal(d).astype(np.float32))
     x = x.to(device)
-    codec = thc.THCCodec(bits=4, granularity=30, p=1 / 32, seed=0)
+    # The codec the in-network hook gives a worker (thc_hook_state with an aggregator).
+    codec = thc.THCCodec(bits=4, granularity=30, p=1 / 32, seed=0,
+                         partition_size=INNETWORK_PARTITION_SIZE)
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_tcp_port()}",
