@@ -298,3 +298,17 @@ def test_codec_threads_leave_a_core_to_the_worker_where_libgomp_spins(
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", policy)
     assert codec_threads(available) == expected
+
+
+def test_the_exchange_thread_runs_the_codec_on_codec_threads():
+    """The rule above is what the exchange thread's Numba kernels get (a fresh thread
+    started by submit, in this process)."""
+    import numba
+
+    from host.allreduce import ExchangeThread, codec_threads
+    thread = ExchangeThread()
+    try:
+        got = thread.submit(numba.get_num_threads).wait()
+    finally:
+        assert thread.stop()
+    assert got == codec_threads(numba.get_num_threads())
