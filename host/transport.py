@@ -12,7 +12,11 @@ How a tensor moves (docs/protocol.md §4.4):
 * a window: chunk c + pool is sent only once the result of chunk c is in;
 * a chunk whose result is late is retransmitted with flag RETX after a timeout that follows
   the measured round trip (Jacobson/Karels srtt/rttvar, Karn's rule: no RTT sample from a
-  retransmitted chunk, exponential backoff), bounded by rto_min/rto_max;
+  retransmitted chunk, exponential backoff), bounded by rto_min/rto_max, once there is
+  evidence of a loss: a chunk sent after it in the same queue (DSCP) has its result, or
+  nothing completed for an RTO (a stall: then the oldest late chunk only, the next stall
+  with its backed-off timer, since a stall is mostly a peer that has not sent yet;
+  _Exchange.expired);
 * duplicate, reordered and re-served results are accepted once; results of other jobs,
   tensors or rounds are ignored and counted;
 * a STRAGGLER notice means the slot moved past this worker's round: by default a clear
@@ -548,6 +552,7 @@ class AggregatorTransport:
         s.ce_window, s.cwnd, s.cwnd_increase = self.ce_window, self.cwnd, self.window_increase
         s.cwnd_hold_until = self.cwnd_hold_until
         s.grace_at, s.grace_rtos = stream.grace_at, stream.grace_rtos
+        s.stall_all = ex.stall_all
 
     def _native_leave(self, stream: "TensorStream") -> None:
         """The C state back into the stream, the timer and the statistics. A submission
@@ -556,7 +561,7 @@ class AggregatorTransport:
         ex, timer, io, window = stream.ex, self.timer, self.io, stream.native
         s = window.state
         ex._next_unsent, ex._n_done, ex._done_prefix = s.next_unsent, s.n_done, s.done_prefix
-        ex.last_progress = s.ex_last_progress
+        ex.last_progress, ex.stall_all = s.ex_last_progress, bool(s.stall_all)
         stream.last_progress = max(stream.last_progress, s.stream_last_progress)
         if s.have_srtt:
             timer.srtt, timer.rttvar = s.srtt, s.rttvar
@@ -589,7 +594,7 @@ class AggregatorTransport:
             self._send(stream.packets, ready)
             ex.mark_sent(ready, now, self.timer.rto)
         # Retransmit chunks whose timer expired (Karn: they give no RTT sample).
-        late = ex.expired(now, self.timer.rto)
+        late = ex.expired(now, self.timer.rto, stream.packets.tos, self.timer.rto_max)
         if len(late):
             stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
             if getattr(self.policy, "ect_retransmissions", False):
@@ -1213,6 +1218,12 @@ class TensorStream:
             raise TransportError(f"the stream of tensor {self.ex.tensor} is closed")
 
 
+def _sent_after(done_sent_at: np.ndarray) -> np.ndarray:
+    """Per position c: the latest sending time of a done chunk after c (-inf: none)."""
+    later = np.maximum.accumulate(done_sent_at[::-1])[::-1]     # max over chunks >= c
+    return np.append(later[1:], -np.inf)                        # ... over chunks > c
+
+
 class _Exchange:
     """The window state of one tensor: per-chunk sent/done/timers, the result arrays."""
 
@@ -1234,6 +1245,7 @@ class _Exchange:
         self._n_done = 0
         self._done_prefix = 0
         self.last_progress = time.monotonic()
+        self.stall_all = False         # a stall re-sends every expired chunk (grace period)
 
     def all_done(self) -> bool:
         return self._n_done == self.n_chunks
@@ -1267,22 +1279,46 @@ class _Exchange:
         while self._next_unsent < self.available and self.sent[self._next_unsent]:
             self._next_unsent += 1
 
-    def expired(self, now, rto) -> np.ndarray:
+    def expired(self, now, rto, tos=None, rto_max=float("inf")) -> np.ndarray:
         """Chunks to retransmit now: timer expired, and evidence of a loss.
 
         A result only comes once every worker contributed, so a late result usually means a
         slow worker, not a lost packet. While results flow, a chunk is retransmitted only
-        when a chunk sent no earlier than it has completed (it was overtaken: a hole, as in
-        TCP's fast retransmit); when nothing completed for an RTO, every expired chunk is.
-        """
+        when a chunk sent no earlier than it, in the same queue, has completed (it was
+        overtaken: a hole, as in TCP's fast retransmit). tos: each chunk's ToS byte; chunks
+        of another DSCP travel in another queue, which a DLCP switch serves by strict
+        priority, so their overtaking is no evidence (None: one queue).
+
+        When nothing completed for an RTO (a stall), only the oldest expired chunk goes
+        again, and the next stall comes when its backed-off timer runs out, as TCP's
+        timeout re-sends one segment and doubles: a stall is most often peers that have
+        not sent yet (every worker's first window of a call waits for the last worker to
+        start), and re-sending the whole window then only crowds the bottleneck. If the
+        window was lost, the oldest chunk's result, sent after the others, is the evidence
+        that sends the rest of its queue. In a grace period (start_grace) a stall re-sends
+        every expired chunk at once."""
         candidates = ~self.done & self.sent & (self.deadline <= now)
         if not candidates.any():
             return np.flatnonzero(candidates)
         if now - self.last_progress >= rto:
-            return np.flatnonzero(candidates)
+            late = np.flatnonzero(candidates)
+            if self.stall_all:
+                return late
+            oldest = late[0]
+            # the stall clock: the next stall is due with the oldest's new deadline
+            # (mark_retransmitted's), unless a result comes first
+            backoff = min(self.backoff[oldest] * 2, 64)
+            self.last_progress = now + min(rto * backoff, rto_max) - rto
+            return late[:1]
         done_sent_at = np.where(self.done, self.sent_at, -np.inf)
-        later = np.maximum.accumulate(done_sent_at[::-1])[::-1]     # max over chunks >= c
-        later = np.append(later[1:], -np.inf)                        # ... over chunks > c
+        dscp = None if tos is None else tos >> 2
+        if dscp is None or (dscp == dscp[0]).all():
+            later = _sent_after(done_sent_at)
+        else:
+            later = np.full(self.n_chunks, -np.inf)
+            for d in np.unique(dscp[candidates]):
+                queue = np.flatnonzero(dscp == d)
+                later[queue] = _sent_after(done_sent_at[queue])
         return np.flatnonzero(candidates & (later >= self.sent_at))
 
     def mark_retransmitted(self, chunks, now, timer) -> None:
@@ -1292,11 +1328,13 @@ class _Exchange:
         self.deadline[chunks] = now + np.minimum(timer.rto * self.backoff[chunks], timer.rto_max)
 
     def start_grace(self, now, rto) -> None:
-        """A bounded-loss grace period starts (TensorStream.wait_grace): as after a stall,
-        the overdue chunks go out at once, no further loss evidence needed (expired), and
+        """A bounded-loss grace period starts (TensorStream.wait_grace): a stall now, after
+        which every overdue chunk goes out at once, no further loss evidence needed
+        (expired, stall_all), and
         every pending chunk's timer is re-armed to at most one RTO from now (armed with an
         older, larger RTO it would not fire inside the grace period)."""
         self.last_progress = min(self.last_progress, now - rto)
+        self.stall_all = True
         pending = ~self.done & self.sent
         self.deadline[pending] = np.minimum(self.deadline[pending], now + rto)
 

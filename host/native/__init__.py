@@ -61,7 +61,7 @@ class DpStream(ctypes.Structure):
         + [(name, _I) for name in ("sock_tos", "ect_retx", "heard", "wake_fd")]
         + [("moderation", _D), ("until", _D)]
         + [("rx_tos", _P), ("cwnd", _D), ("cwnd_hold_until", _D), ("cwnd_increase", _D),
-           ("ce_window", _I), ("grace_at", _I), ("grace_rtos", _D)]
+           ("ce_window", _I), ("grace_at", _I), ("grace_rtos", _D), ("stall_all", _I)]
         + [(name, _I) for name in ("packets_sent", "bytes_sent", "retransmissions",
                                    "packets_received", "bytes_received", "results_accepted",
                                    "duplicates", "ignored", "send_calls", "send_messages",

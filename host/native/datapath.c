@@ -79,6 +79,7 @@ struct dp_stream {
     /* a grace period the loop starts itself (TensorStream.wait_grace): read and written */
     int64_t grace_at;            /* once this many chunks are done (-1: none; -2: started) */
     double grace_rtos;           /* ... `until` becomes now + this many RTOs at most */
+    int64_t stall_all;           /* a stall re-sends every expired chunk (a grace period) */
     /* counters of this call */
     int64_t packets_sent, bytes_sent, retransmissions, packets_received, bytes_received,
             results_accepted, duplicates, ignored, send_calls, send_messages, recv_calls,
@@ -309,19 +310,33 @@ static int send_window(struct dp_stream *s, struct scratch *m, double now, doubl
     return 0;
 }
 
-/* Late chunks with evidence of a loss (_Exchange.expired): after a stall of an RTO every
- * expired chunk; else only one overtaken by a done chunk sent no earlier. Ascending. */
+/* Late chunks with evidence of a loss (_Exchange.expired): only one overtaken by a done
+ * chunk sent no earlier in the same queue (the same DSCP: a DLCP switch serves other
+ * queues by strict priority, so their overtaking is no evidence); after a stall of an RTO
+ * the oldest expired chunk, the next stall due with its backed-off timer (every expired
+ * chunk in a grace period). Ascending. */
 static int64_t expired(struct dp_stream *s, int64_t *out, double now, double rto)
 {
     int64_t lo = done_prefix(s), hi = sent_bound(s), k = 0;
     int stall = now - s->ex_last_progress >= rto;
-    double later = -INFINITY;          /* latest sent_at of a done chunk above c */
+    double later[64];                  /* per DSCP: latest sent_at of a done chunk above c */
+    for (int d = 0; d < 64; d++)
+        later[d] = -INFINITY;
     for (int64_t c = hi - 1; c >= lo; c--) {
+        int d = s->tos[c] >> 2;
         if (!s->done[c] && s->sent[c] && s->deadline[c] <= now
-                && (stall || later >= s->sent_at[c]))
+                && (stall || later[d] >= s->sent_at[c]))
             out[k++] = c;
-        if (s->done[c] && s->sent_at[c] > later)
-            later = s->sent_at[c];
+        if (s->done[c] && s->sent_at[c] > later[d])
+            later[d] = s->sent_at[c];
+    }
+    if (stall && k && !s->stall_all) {
+        int64_t oldest = out[k - 1];   /* filled from the top down: the oldest is last */
+        double backoff = fmin(s->backoff[oldest] * 2.0, MAX_BACKOFF);
+        /* the stall clock: the next stall is due with the oldest's new deadline */
+        s->ex_last_progress = now + fmin(rto * backoff, s->rto_max) - rto;
+        out[0] = oldest;
+        return 1;
     }
     for (int64_t i = 0; i < k / 2; i++) {
         int64_t t = out[i];
@@ -581,6 +596,7 @@ static void start_grace(struct dp_stream *s)
     for (int64_t c = done_prefix(s), hi = sent_bound(s); c < hi; c++)
         if (!s->done[c] && s->sent[c])
             s->deadline[c] = fmin(s->deadline[c], now + rto);
+    s->stall_all = 1;
     s->grace_at = -2;                  /* started: Python takes `until` from here */
 }
 

@@ -533,3 +533,138 @@ def test_a_grace_period_resends_a_chunk_armed_with_an_older_rto(aggregator, use_
         assert stream.give_up_rest().tolist() == [lost]
         stream.finish()
         t.close()
+
+
+class PriorityRelay:
+    """A strict-priority bottleneck in front of the aggregator, as a DLCP port: the
+    worker's datagrams go on one per `gap` seconds, those of DSCP `high` before any other;
+    the aggregator's answers go back at once."""
+
+    def __init__(self, high: int, gap: float):
+        self.high, self.gap = high, gap
+        self.aggregator = None
+        self.front = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.front.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        self.front.bind(("127.0.0.1", 0))
+        self.back = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.back.bind(("127.0.0.1", 0))
+        self.address, self.member_address = self.front.getsockname(), self.back.getsockname()
+        self.queues = {True: [], False: []}          # high priority or not, FIFO each
+        self.arrivals = 0
+        self.worker = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        next_out = 0.0
+        while not self._stop.is_set():
+            queued = self.queues[True] or self.queues[False]
+            wait = max(0.0, next_out - time.monotonic()) if queued else 0.05
+            readable, _, _ = select.select([self.front, self.back], [], [], wait)
+            if self.front in readable:
+                data, anc, _, self.worker = self.front.recvmsg(65536, socket.CMSG_SPACE(4))
+                tos = [c[2][0] for c in anc if c[1] == socket.IP_TOS]
+                self.queues[bool(tos) and tos[0] >> 2 == self.high].append(data)
+                self.arrivals += 1
+            if self.back in readable:
+                self.front.sendto(self.back.recv(65536), self.worker)
+            now = time.monotonic()
+            if now >= next_out and (self.queues[True] or self.queues[False]):
+                queue = self.queues[True] or self.queues[False]
+                self.back.sendto(queue.pop(0), self.aggregator)
+                next_out = now + self.gap
+
+    def wait_quiet(self, quiet: float = 0.1, timeout: float = 10.0) -> None:
+        """Until nothing arrived for `quiet` seconds and nothing is queued."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            seen = self.arrivals
+            time.sleep(quiet)
+            if seen == self.arrivals and not (self.queues[True] or self.queues[False]):
+                return
+        raise AssertionError("the relay never went quiet")
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.front.close()
+        self.back.close()
+
+
+LOW_CHUNK = 5
+
+
+def _one_chunk_low(*, layer, num_layers, values, values_per_packet, num_packets):
+    """Chunk LOW_CHUNK in a low band (DSCP 8), every other chunk in a high one (DSCP 40)."""
+    dscp = np.full(num_packets, 40, np.uint8)
+    dscp[LOW_CHUNK] = 8
+    return dscp, np.full(num_packets, 2, np.uint8)
+
+
+@PATHS
+def test_a_chunk_overtaken_from_a_higher_priority_queue_is_not_resent(aggregator,
+                                                                       use_native):
+    """Chunk 5 waits in the low queue behind the bottleneck while the 34 chunks sent after
+    it, in the high queue, pass it one by one. Results keep coming (one per 3 ms, so no
+    stall of an RTO, 30 ms at least), and chunk 5's timer (30 ms) runs out long before its
+    turn (about 105 ms): a later chunk done in *another* queue is no evidence of a loss
+    under strict priority, so nothing is resent (before, chunk 5 went out again: a
+    duplicate into the congested queue). A chunk overtaken in its own queue is still
+    resent at once (the lossy relay tests)."""
+    vpp, pool, chunks = 256, 64, 40
+    idx = random_indices(1, chunks * vpp, 11)[0]
+    relay = PriorityRelay(high=40, gap=0.0)
+    try:
+        svc, _ = aggregator(1, pool, addresses=[relay.member_address])
+        relay.aggregator = svc.address
+        t = AggregatorTransport(relay.address, job=1, worker=0, expected=1, pool_size=pool,
+                                values_per_packet=vpp, timeout=15, native=use_native,
+                                policy=_one_chunk_low,
+                                timer=RetransmitTimer(rto_init=0.03, rto_min=0.03))
+        t.flush()
+        relay.wait_quiet()                 # every flush through, unpaced
+        relay.gap = 0.003                  # the bottleneck for the data
+        res = t.allreduce(pack(idx), len(idx), 3)
+        assert np.array_equal(res.sums, TABLE[idx])
+        assert t.stats.retransmissions == 0, t.stats.retransmissions
+        assert svc.counters()["jobs"][1]["results_multicast"] == chunks
+        t.close()
+    finally:
+        relay.close()
+
+
+@PATHS
+def test_a_peer_that_starts_late_costs_one_backed_off_resend_per_stall(aggregator,
+                                                                       use_native):
+    """Worker 0 sends its window of 16 chunks; worker 1 starts its call 150 ms later, so
+    nothing completes meanwhile (a result needs both). Each stall re-sends only the
+    oldest chunk, and the next stall waits for its doubled timer (10 ms RTO here: about
+    10, 30, 70 and 150 ms), so the wait costs a handful of datagrams. Before, every stall
+    re-sent the whole window (16, 16, 16, ...: some 60 duplicates into the bottleneck).
+    The sums are exact either way."""
+    vpp, pool, chunks, late = 256, 16, 16, 0.15
+    idx = random_indices(2, chunks * vpp, 13)
+    svc, addrs = aggregator(2, pool)
+    ts = [AggregatorTransport(svc.address, job=1, worker=w, expected=0b11, pool_size=pool,
+                              local=addrs[w], values_per_packet=vpp, timeout=15,
+                              native=use_native,
+                              timer=RetransmitTimer(rto_init=0.01, rto_min=0.01))
+          for w in range(2)]
+    for t in ts:
+        t.flush()
+    results = [None, None]
+
+    def call(w):
+        results[w] = ts[w].allreduce(pack(idx[w]), chunks * vpp, 3)
+    early = threading.Thread(target=call, args=(0,))
+    early.start()
+    time.sleep(late)
+    call(1)
+    early.join(15)
+    for res in results:
+        assert np.array_equal(res.sums.astype(np.int64), TABLE[idx[0]] + TABLE[idx[1]])
+    assert 1 <= ts[0].stats.retransmissions <= 6, ts[0].stats.retransmissions
+    assert ts[1].stats.retransmissions == 0
+    for t in ts:
+        t.close()
