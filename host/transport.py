@@ -1330,9 +1330,9 @@ class _Exchange:
     def start_grace(self, now, rto) -> None:
         """A bounded-loss grace period starts (TensorStream.wait_grace): a stall now, after
         which every overdue chunk goes out at once, no further loss evidence needed
-        (expired, stall_all), and
-        every pending chunk's timer is re-armed to at most one RTO from now (armed with an
-        older, larger RTO it would not fire inside the grace period)."""
+        (expired, stall_all), and every pending chunk's timer is re-armed to at most one
+        RTO from now (armed with an older, larger RTO it would not fire inside the grace
+        period)."""
         self.last_progress = min(self.last_progress, now - rto)
         self.stall_all = True
         pending = ~self.done & self.sent
