@@ -13,10 +13,10 @@ How a tensor moves (docs/protocol.md §4.4):
 * a chunk whose result is late is retransmitted with flag RETX after a timeout that follows
   the measured round trip (Jacobson/Karels srtt/rttvar, Karn's rule: no RTT sample from a
   retransmitted chunk, exponential backoff), bounded by rto_min/rto_max, once there is
-  evidence of a loss: a chunk sent after it in the same queue (DSCP) has its result, or
-  nothing completed for an RTO (a stall: then the oldest late chunk only, the next stall
-  with its backed-off timer, since a stall is mostly a peer that has not sent yet;
-  _Exchange.expired);
+  evidence of a loss: a chunk sent after it has its result, or nothing completed for an
+  RTO (a stall; before the stream's first result only the oldest late chunk goes, the
+  next stall with its backed-off timer, since there a stall is mostly a peer that has not
+  sent yet; _Exchange.expired);
 * duplicate, reordered and re-served results are accepted once; results of other jobs,
   tensors or rounds are ignored and counted;
 * a STRAGGLER notice means the slot moved past this worker's round: by default a clear
@@ -594,7 +594,7 @@ class AggregatorTransport:
             self._send(stream.packets, ready)
             ex.mark_sent(ready, now, self.timer.rto)
         # Retransmit chunks whose timer expired (Karn: they give no RTT sample).
-        late = ex.expired(now, self.timer.rto, stream.packets.tos, self.timer.rto_max)
+        late = ex.expired(now, self.timer.rto, self.timer.rto_max)
         if len(late):
             stream.rows[late, 1] |= FLAG_RETX          # header byte 1 is `flags`
             if getattr(self.policy, "ect_retransmissions", False):
@@ -1218,12 +1218,6 @@ class TensorStream:
             raise TransportError(f"the stream of tensor {self.ex.tensor} is closed")
 
 
-def _sent_after(done_sent_at: np.ndarray) -> np.ndarray:
-    """Per position c: the latest sending time of a done chunk after c (-inf: none)."""
-    later = np.maximum.accumulate(done_sent_at[::-1])[::-1]     # max over chunks >= c
-    return np.append(later[1:], -np.inf)                        # ... over chunks > c
-
-
 class _Exchange:
     """The window state of one tensor: per-chunk sent/done/timers, the result arrays."""
 
@@ -1279,30 +1273,32 @@ class _Exchange:
         while self._next_unsent < self.available and self.sent[self._next_unsent]:
             self._next_unsent += 1
 
-    def expired(self, now, rto, tos=None, rto_max=float("inf")) -> np.ndarray:
+    def expired(self, now, rto, rto_max=float("inf")) -> np.ndarray:
         """Chunks to retransmit now: timer expired, and evidence of a loss.
 
         A result only comes once every worker contributed, so a late result usually means a
         slow worker, not a lost packet. While results flow, a chunk is retransmitted only
-        when a chunk sent no earlier than it, in the same queue, has completed (it was
-        overtaken: a hole, as in TCP's fast retransmit). tos: each chunk's ToS byte; chunks
-        of another DSCP travel in another queue, which a DLCP switch serves by strict
-        priority, so their overtaking is no evidence (None: one queue).
+        when a chunk sent no earlier than it has completed (it was overtaken: a hole, as in
+        TCP's fast retransmit); when nothing completed for an RTO (a stall), every expired
+        chunk is.
 
-        When nothing completed for an RTO (a stall), only the oldest expired chunk goes
-        again, and the next stall comes when its backed-off timer runs out, as TCP's
-        timeout re-sends one segment and doubles: a stall is most often peers that have
-        not sent yet (every worker's first window of a call waits for the last worker to
-        start), and re-sending the whole window then only crowds the bottleneck. If the
-        window was lost, the oldest chunk's result, sent after the others, is the evidence
-        that sends the rest of its queue. In a grace period (start_grace) a stall re-sends
-        every expired chunk at once."""
+        Except before the stream's first result: there a stall is most often peers that
+        have not sent yet (every worker's first window of a call waits for the last worker
+        to start), and re-sending the whole window only crowds the bottleneck. So only the
+        oldest expired chunk goes again, and the next stall comes when its backed-off timer
+        runs out, as TCP's timeout re-sends one segment and doubles; if the window was
+        lost, that chunk's result, sent after the others, is the evidence that sends the
+        rest. Once results came, a stall is left to the old rule: with losses at several
+        workers each one's oldest chunk is a different one, and probing one at a time made
+        a congested incast with selective drops 4x slower
+        (tests/dlcp/test_innetwork_incast.py). In a grace period (start_grace) a stall
+        re-sends every expired chunk at once."""
         candidates = ~self.done & self.sent & (self.deadline <= now)
         if not candidates.any():
             return np.flatnonzero(candidates)
         if now - self.last_progress >= rto:
             late = np.flatnonzero(candidates)
-            if self.stall_all:
+            if self.stall_all or self._n_done:
                 return late
             oldest = late[0]
             # the stall clock: the next stall is due with the oldest's new deadline
@@ -1311,14 +1307,8 @@ class _Exchange:
             self.last_progress = now + min(rto * backoff, rto_max) - rto
             return late[:1]
         done_sent_at = np.where(self.done, self.sent_at, -np.inf)
-        dscp = None if tos is None else tos >> 2
-        if dscp is None or (dscp == dscp[0]).all():
-            later = _sent_after(done_sent_at)
-        else:
-            later = np.full(self.n_chunks, -np.inf)
-            for d in np.unique(dscp[candidates]):
-                queue = np.flatnonzero(dscp == d)
-                later[queue] = _sent_after(done_sent_at[queue])
+        later = np.maximum.accumulate(done_sent_at[::-1])[::-1]     # max over chunks >= c
+        later = np.append(later[1:], -np.inf)                        # ... over chunks > c
         return np.flatnonzero(candidates & (later >= self.sent_at))
 
     def mark_retransmitted(self, chunks, now, timer) -> None:

@@ -311,26 +311,22 @@ static int send_window(struct dp_stream *s, struct scratch *m, double now, doubl
 }
 
 /* Late chunks with evidence of a loss (_Exchange.expired): only one overtaken by a done
- * chunk sent no earlier in the same queue (the same DSCP: a DLCP switch serves other
- * queues by strict priority, so their overtaking is no evidence); after a stall of an RTO
- * the oldest expired chunk, the next stall due with its backed-off timer (every expired
- * chunk in a grace period). Ascending. */
+ * chunk sent no earlier; after a stall of an RTO every expired chunk, but before the
+ * stream's first result only the oldest, the next stall due with its backed-off timer
+ * (not in a grace period). Ascending. */
 static int64_t expired(struct dp_stream *s, int64_t *out, double now, double rto)
 {
     int64_t lo = done_prefix(s), hi = sent_bound(s), k = 0;
     int stall = now - s->ex_last_progress >= rto;
-    double later[64];                  /* per DSCP: latest sent_at of a done chunk above c */
-    for (int d = 0; d < 64; d++)
-        later[d] = -INFINITY;
+    double later = -INFINITY;          /* latest sent_at of a done chunk above c */
     for (int64_t c = hi - 1; c >= lo; c--) {
-        int d = s->tos[c] >> 2;
         if (!s->done[c] && s->sent[c] && s->deadline[c] <= now
-                && (stall || later[d] >= s->sent_at[c]))
+                && (stall || later >= s->sent_at[c]))
             out[k++] = c;
-        if (s->done[c] && s->sent_at[c] > later[d])
-            later[d] = s->sent_at[c];
+        if (s->done[c] && s->sent_at[c] > later)
+            later = s->sent_at[c];
     }
-    if (stall && k && !s->stall_all) {
+    if (stall && k && s->n_done == 0 && !s->stall_all) {
         int64_t oldest = out[k - 1];   /* filled from the top down: the oldest is last */
         double backoff = fmin(s->backoff[oldest] * 2.0, MAX_BACKOFF);
         /* the stall clock: the next stall is due with the oldest's new deadline */
