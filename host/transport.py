@@ -70,6 +70,7 @@ EVERY_ROUND = -1               # a background waiter's own predicate: look after
 RTT_SAMPLES_KEPT = 4096        # TransportStats keeps the most recent RTT samples
 RESULT_MODERATION_S = 250e-6   # the native loop's pause for RESULTs to gather (docs/perf.md)
 CWND_MIN = 2.0                 # the CE window never closes below two chunks
+MAX_BACKOFF = 64               # a chunk's timer doubles per resend up to this (datapath.c too)
 # Socket errors that say the aggregator cannot be reached: nothing listens there (an ICMP
 # port unreachable), or the way there is down (the link, the route, the host).
 UNREACHABLE_ERRNOS = (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
@@ -1303,7 +1304,7 @@ class _Exchange:
             oldest = late[0]
             # the stall clock: the next stall is due with the oldest's new deadline
             # (mark_retransmitted's), unless a result comes first
-            backoff = min(self.backoff[oldest] * 2, 64)
+            backoff = min(self.backoff[oldest] * 2, MAX_BACKOFF)
             self.last_progress = now + min(rto * backoff, rto_max) - rto
             return late[:1]
         done_sent_at = np.where(self.done, self.sent_at, -np.inf)
@@ -1314,7 +1315,7 @@ class _Exchange:
     def mark_retransmitted(self, chunks, now, timer) -> None:
         self.retransmitted[chunks] = True
         self.sent_at[chunks] = now
-        self.backoff[chunks] = np.minimum(self.backoff[chunks] * 2, 64)
+        self.backoff[chunks] = np.minimum(self.backoff[chunks] * 2, MAX_BACKOFF)
         self.deadline[chunks] = now + np.minimum(timer.rto * self.backoff[chunks], timer.rto_max)
 
     def start_grace(self, now, rto) -> None:

@@ -226,7 +226,8 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
     # The codec's work on the call's own pipeline chunks, with as many Numba threads as
     # the exchange thread gives it.
     threads = numba.get_num_threads()
-    numba.set_num_threads(codec_threads(threads))
+    floor_threads = codec_threads(threads)
+    numba.set_num_threads(floor_threads)
     try:
         floor = codec_floor(codec, x, results["paths"][0]["pipeline_chunks"],
                             repeats=max(3, calls // 2))
@@ -241,7 +242,7 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
                          "pool": pool, "native_available": native.available(),
                          "native_reason": native.reason(), "cpus": os.cpu_count(),
                          "machine": platform.machine(), "torch_threads": torch.get_num_threads(),
-                         "codec_threads": codec_threads(numba.get_num_threads()),
+                         "codec_threads": floor_threads,
                          "device": (torch.cuda.get_device_name(x.device) if x.is_cuda
                                     else "cpu")}
     return results

@@ -1,6 +1,7 @@
 """The reference aggregator over real UDP sockets on loopback (dataplane/udp_service.py)."""
 import dataclasses
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -227,7 +228,7 @@ def test_a_service_process_that_dies_before_serving_raises_instead_of_hanging(tm
         "member = Member(0, 0, '02:00:00:00:00:01', '127.0.0.1', 9)\n"
         "serve(SwitchConfig(jobs=(Job(1, 8, TABLE, (member,)),)), '127.0.0.1', 0,"
         " process=True)\n")
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
                          capture_output=True, text=True)
     assert out.returncode != 0
