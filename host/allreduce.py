@@ -7,7 +7,9 @@ One call, for each pipeline chunk k of the tensor:
   control exchange (all_reduce MAX, 2W+4 floats, with chunk 0's norms) sizes agree? any
                                                NaN/Inf? -> clear error on every worker at
                                                once, before anything is sent, never a hang
-  norms_k: all_reduce MAX, overlapped with chunk k-1's quantization and chunk k+1's RHT
+  norms_k: all_reduce MAX, one per group of chunks (chunks 1, 2-3, 4-7, ...: a group
+                                               as long as the chunks before it), overlapped
+                                               with the quantization before it
   packed_k = quantize(x_k, max norms_k),       4-bit indices, counter-based RNG; the new
   e_k = x_k - own quantized values_k           error in the same pass (no inverse RHT)
   sums_k, counts_k = exchange(packed_k)        integer sums of table values
@@ -23,7 +25,10 @@ padded values, a multiple of the partition size and of the packet size); chunk k
 compensated, normed, rotated and quantized while chunk k is on the wire, and chunk k-1
 is decoded as soon as its sums are in. Chunk k is coded as a vector of its own (the
 tensor's partitions, its own rounding key); a tensor of one chunk is coded exactly as
-before. Peak memory is the output plus a few chunks, not several copies of the tensor.
+before. A chunk after the first is rotated into its own slice of the error-feedback
+buffer (on the CPU, where nothing needs the rotated values after quantization, which
+overwrites them with the new error in the same pass), so peak memory is the output and
+chunk 0's rotation, not several copies of the tensor.
 
 The max-norm exchanges run through the torch process group (gloo or NCCL), not through
 the aggregator: a few floats per partition, they need MAX (the aggregator only adds small
@@ -73,7 +78,6 @@ from thc.layout import Layout
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DEFAULT_PIPELINE_VALUES = 1 << 20      # padded values per pipeline chunk (4 MB of floats)
 CHUNK_KEY_STRIDE = 1 << 32             # rounding key of chunk k > 0: tensor key + k * stride
-PREPARE_AHEAD = 1                      # chunks prepared beyond the one being quantized
 CALL_HISTORY = 100_000                 # call times kept (THCAllreduce.call_seconds)
 FALLBACKS = ("collective", "raise")    # THCAllreduce(fallback=): when the aggregator is silent
 DEFAULT_PROBE_INTERVAL = 10.0          # seconds between probes of a silent aggregator
@@ -335,6 +339,9 @@ class _AggregatorStream:
         self.first_tos = []              # the ToS each chunk was first sent with
         # The rotated values only matter to a DLCP policy; skip the copy (GPU -> host) else.
         self.wants_values = exchange.transport.policy is not default_policy
+        # ... and one that marks by partition norms does not read them either.
+        self.reads_rotated = self.wants_values and not getattr(
+            exchange.transport.policy, "marks_partitions", False)
 
     def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
         """Padded values [lo, hi) of the tensor; max_norms: the agreed L2 norms of their
@@ -447,6 +454,10 @@ class _GuardedStream:
     @property
     def first_tos(self) -> list:
         return self.stream.first_tos
+
+    @property
+    def reads_rotated(self) -> bool:
+        return self.stream.reads_rotated
 
     @property
     def n_chunks(self) -> int:
@@ -902,9 +913,11 @@ class THCAllreduce:
         return -(-self.pipeline_values // unit) * unit
 
     def _pipeline(self, stream, flat, key, rnd, ranges, first, mean) -> None:
-        """Chunks prepared (compensated, normed, rotated; their norm exchange started) up to
-        PREPARE_AHEAD ahead of the one being quantized, quantized while earlier ones are on
-        the wire, and decoded in order as their sums come in.
+        """Chunks prepared (compensated, normed, rotated; their norm exchange started) a
+        group at a time (_norm_group_end: one exchange per group), the next group before
+        the last chunk of the one before is quantized, so that its exchange overlaps that
+        work; quantized while earlier ones are on the wire, and decoded in order as their
+        sums come in.
 
         Through a _GuardedStream an aggregator that stops answering stops only the
         exchange: every chunk is still normed and quantized (the same collectives on every
@@ -917,10 +930,13 @@ class THCAllreduce:
         if first is not None:
             prepared.append(first)
             upcoming = 1
+        in_place = self._rotates_in_place(stream, flat)
         for k in range(len(ranges)):
-            while upcoming < len(ranges) and upcoming <= k + PREPARE_AHEAD:
-                prepared.append(self._prepare(flat, key, ranges[upcoming], ranges[-1][3]))
-                upcoming += 1
+            while upcoming < len(ranges) and upcoming <= k + 1:
+                end = _norm_group_end(upcoming, len(ranges))
+                prepared += self._prepare(flat, key, ranges[upcoming:end], ranges[-1][3],
+                                          in_place)
+                upcoming = end
                 stream.pump()
             chunk = prepared.pop(0)
             t0 = time.perf_counter()
@@ -1193,28 +1209,49 @@ class THCAllreduce:
         warnings.warn(f"THC: the aggregator {host}:{port} answers every worker again: THC calls "
                       "go through it again", RuntimeWarning, stacklevel=2)
 
-    def _prepare(self, flat, key, rng, padded_total: int) -> "_Chunk":
-        """One chunk's values, norms and RHT; its norm exchange runs during the RHT
-        (gradient-domain error feedback) or after it (rotated domain: the norms are of the
-        rotated, compensated values; the exchange overlaps the next chunk's work)."""
-        chunk = self._chunk_values(flat, key, rng, padded_total)
-        norms = _as_torch(chunk.norms, flat.device).float()
-        chunk.norms, chunk.num_norms = norms, len(norms)
-        chunk.work = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group,
-                                     async_op=True)
-        if chunk.rotated is None:
-            chunk.rotated = self.codec.rotate(chunk.x)
-        return chunk
+    def _prepare(self, flat, key, rngs, padded_total: int, in_place: bool) -> list:
+        """A group of chunks' values, norms and RHT, with one norm exchange for the group
+        (each exchange is a collective on every worker: fewer of them cost less CPU and
+        scheduling than one per chunk). The exchange runs during the RHT (gradient-domain
+        error feedback) or after it (rotated domain: the norms are of the rotated,
+        compensated values; the exchange overlaps the quantization of the chunk before the
+        group)."""
+        chunks = [self._chunk_values(flat, key, rng, padded_total, in_place) for rng in rngs]
+        norms = torch.cat([_as_torch(c.norms, flat.device).float() for c in chunks])
+        work = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        at = 0
+        for chunk in chunks:
+            n = len(chunk.norms)
+            chunk.norms, chunk.num_norms, chunk.work = norms[at:at + n], n, work
+            at += n
+            if chunk.rotated is None:
+                chunk.rotated = self.codec.rotate(chunk.x)
+        return chunks
 
-    def _chunk_values(self, flat, key, rng, padded_total: int) -> "_Chunk":
+    def _rotates_in_place(self, stream, flat) -> bool:
+        """Whether chunks after the first may be rotated into their slice of the rotated
+        error-feedback buffer: the quantizer reads them and writes the new error there in
+        one pass, so nothing is allocated; only on the CPU (the CUDA kernels are not
+        written for an output that is also an input) and when the stream does not read
+        the rotated values after quantization (a DLCP policy that marks by values).
+        Chunk 0 never is: it is rotated before the control exchange, whose refusal must
+        leave the error feedback as it was."""
+        ef = self.error_feedback
+        return (ef is not None and ef.rotated and flat.device.type == "cpu"
+                and not getattr(stream, "reads_rotated", False))
+
+    def _chunk_values(self, flat, key, rng, padded_total: int,
+                      in_place: bool = False) -> "_Chunk":
         """The chunk rng = (lo, hi, padded lo, padded hi) with its (compensated) values and
         host norms; rotated already in the rotated error-feedback domain (the norms come
-        out of the RHT, with the error added in the same pass), else not yet."""
+        out of the RHT, with the error added in the same pass; in_place: into the error's
+        own slice, which then holds x_k until quantize writes e_k), else not yet."""
         lo, hi, plo, phi = rng
         ef = self.error_feedback
         if ef is not None and ef.rotated:
             e = ef.rotated_error(key, padded_total, flat)
-            rotated, norms = self.codec.rotate_and_norms(flat[lo:hi], add=e[plo:phi])
+            rotated, norms = self.codec.rotate_and_norms(
+                flat[lo:hi], add=e[plo:phi], out=e[plo:phi] if in_place else None)
             chunk = _Chunk(rng, flat[lo:hi], rotated, norms)
             chunk.error_out = e[plo:phi]
             return chunk
@@ -1518,6 +1555,14 @@ def check_state_entries(state, expected: frozenset, what: str) -> None:
         raise ValueError(f"not a {what} state: missing entries {missing}, unexpected entries "
                          f"{unexpected} (expected {sorted(expected)}): pass what "
                          f"{what}.state_dict() returned")
+
+
+def _norm_group_end(start: int, n_chunks: int) -> int:
+    """The end of the group of chunks whose norms are exchanged together, from `start`:
+    chunk 0 alone (its norms ride the control exchange), then groups as long as the chunks
+    before them (1, 2-3, 4-7, ...), so a call of n chunks holds 1 + ceil(log2 n) norm
+    exchanges, and each group's RHT takes no longer than what is already on the wire."""
+    return min(n_chunks, max(1, 2 * start))
 
 
 def _all_finite(flat: torch.Tensor) -> bool:
