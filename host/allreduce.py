@@ -8,8 +8,9 @@ One call, for each pipeline chunk k of the tensor:
                                                NaN/Inf? -> clear error on every worker at
                                                once, before anything is sent, never a hang
   norms_k: all_reduce MAX, one per group of chunks (chunks 1, 2-3, 4-7, ...: a group
-                                               as long as the chunks before it), overlapped
-                                               with the quantization before it
+                                               as long as the chunks before it, where the
+                                               chunks rotate in place; else one per chunk),
+                                               overlapped with the quantization before it
   packed_k = quantize(x_k, max norms_k),       4-bit indices, counter-based RNG; the new
   e_k = x_k - own quantized values_k           error in the same pass (no inverse RHT)
   sums_k, counts_k = exchange(packed_k)        integer sums of table values
@@ -914,10 +915,10 @@ class THCAllreduce:
 
     def _pipeline(self, stream, flat, key, rnd, ranges, first, mean) -> None:
         """Chunks prepared (compensated, normed, rotated; their norm exchange started) a
-        group at a time (_norm_group_end: one exchange per group), the next group before
-        the last chunk of the one before is quantized, so that its exchange overlaps that
-        work; quantized while earlier ones are on the wire, and decoded in order as their
-        sums come in.
+        group at a time (_norm_group_end: one exchange per group, where the chunks are
+        rotated in place; else one chunk per group), the next group before the last chunk
+        of the one before is quantized, so that its exchange overlaps that work; quantized
+        while earlier ones are on the wire, and decoded in order as their sums come in.
 
         Through a _GuardedStream an aggregator that stops answering stops only the
         exchange: every chunk is still normed and quantized (the same collectives on every
@@ -933,7 +934,9 @@ class THCAllreduce:
         in_place = self._rotates_in_place(stream, flat)
         for k in range(len(ranges)):
             while upcoming < len(ranges) and upcoming <= k + 1:
-                end = _norm_group_end(upcoming, len(ranges))
+                # A group's rotations are held until each chunk is quantized: only where
+                # they go into the error buffer (no memory of their own) do groups grow.
+                end = _norm_group_end(upcoming, len(ranges)) if in_place else upcoming + 1
                 prepared += self._prepare(flat, key, ranges[upcoming:end], ranges[-1][3],
                                           in_place)
                 upcoming = end

@@ -135,3 +135,20 @@ def test_a_stream_that_reads_rotated_values_gets_them_in_buffers_of_their_own(on
         reads_rotated = True
     assert ar._rotates_in_place(object(), flat)
     assert not ar._rotates_in_place(Reads(), flat)
+
+
+@pytest.mark.parametrize("kind", ["gradient", "none"])
+def test_without_in_place_rotation_each_chunk_has_its_own_exchange(one_rank, monkeypatch,
+                                                                     kind):
+    """Gradient-domain or no error feedback: the rotations need buffers of their own, so
+    a group would hold several at once; the norms go chunk by chunk, as the memory allows."""
+    codec = thc.THCCodec(seed=3, partition_size=PARTITION)
+    options = ({"error_domain": "gradient"} if kind == "gradient"
+               else {"error_feedback": False})
+    ar = THCAllreduce(codec, SumAllreduceExchange(codec), pipeline_values=PIPELINE,
+                      **options)
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal(D).astype(np.float32))
+    ar(x, 0)
+    exchanges = _counting(monkeypatch)
+    ar(x, 0)
+    assert exchanges.count(torch.float32) == 6          # chunks 1..6, chunk 0 in control
