@@ -27,6 +27,16 @@ def job_config(addresses, pool_size: int, job: int = 1) -> SwitchConfig:
 
 
 @pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def aggregator():
     """aggregator(n_workers, pool_size) -> (service, worker addresses); stopped after the test."""
     services = []

@@ -27,7 +27,8 @@ from dataplane.udp_service import serve
 from host.ddp_hook import JobMismatchError, thc_hook, thc_hook_state, worker_job
 from host.transport import AggregatorTimeout, AggregatorTransport, AggregatorUnreachable
 
-from hosttest_util import free_port, job_config, run_worker_processes
+from hosttest_util import (free_port, job_config, one_rank_group,  # noqa: F401 (fixture)
+                            run_worker_processes)
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -86,14 +87,6 @@ def test_a_job_description_file_and_its_errors(tmp_path):
         worker_job(path, job=7, rank=0, world=2)
     with pytest.raises(ConfigError, match="no-such.json.*dataplane.config local"):
         worker_job(tmp_path / "no-such.json", job=1, rank=0, world=2)
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_in_network_path_refuses_at_set_up(one_rank_group, monkeypatch):

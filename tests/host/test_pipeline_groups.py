@@ -9,20 +9,12 @@ import thc
 from host.allreduce import (CHUNK_KEY_STRIDE, SumAllreduceExchange, THCAllreduce,
                             _norm_group_end)
 
-from hosttest_util import free_port
+from hosttest_util import one_rank_group  # noqa: F401 (fixture)
 
 PARTITION = 1 << 10
 PIPELINE = 1 << 12
 D = 7 * PIPELINE - 300          # 7 chunks, the last one padded
 CALLS = 3
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _groups(n):
@@ -74,7 +66,7 @@ def _counting(monkeypatch):
     return seen
 
 
-def test_grouped_in_place_pipeline_gives_the_bits_of_chunks_coded_alone(one_rank,
+def test_grouped_in_place_pipeline_gives_the_bits_of_chunks_coded_alone(one_rank_group,
                                                                         monkeypatch):
     codec = thc.THCCodec(seed=3, partition_size=PARTITION)
     ar = THCAllreduce(codec, SumAllreduceExchange(codec), pipeline_values=PIPELINE)
@@ -109,7 +101,7 @@ def test_grouped_in_place_pipeline_gives_the_bits_of_chunks_coded_alone(one_rank
             assert norm_exchanges == 3 and rotations == [False] + [True] * 6
 
 
-def test_a_refused_call_leaves_the_error_feedback_as_it_was(one_rank):
+def test_a_refused_call_leaves_the_error_feedback_as_it_was(one_rank_group):
     codec = thc.THCCodec(seed=3, partition_size=PARTITION)
     ar = THCAllreduce(codec, SumAllreduceExchange(codec), pipeline_values=PIPELINE)
     rng = np.random.default_rng(1)
@@ -126,7 +118,7 @@ def test_a_refused_call_leaves_the_error_feedback_as_it_was(one_rank):
     assert np.array_equal(ar(torch.from_numpy(xs[1]), 0).numpy(), means[1])
 
 
-def test_a_stream_that_reads_rotated_values_gets_them_in_buffers_of_their_own(one_rank):
+def test_a_stream_that_reads_rotated_values_gets_them_in_buffers_of_their_own(one_rank_group):
     codec = thc.THCCodec(seed=3, partition_size=PARTITION)
     ar = THCAllreduce(codec, SumAllreduceExchange(codec), pipeline_values=PIPELINE)
     flat = torch.zeros(D)
@@ -138,7 +130,7 @@ def test_a_stream_that_reads_rotated_values_gets_them_in_buffers_of_their_own(on
 
 
 @pytest.mark.parametrize("kind", ["gradient", "none"])
-def test_without_in_place_rotation_each_chunk_has_its_own_exchange(one_rank, monkeypatch,
+def test_without_in_place_rotation_each_chunk_has_its_own_exchange(one_rank_group, monkeypatch,
                                                                      kind):
     """Gradient-domain or no error feedback: the rotations need buffers of their own, so
     a group would hold several at once; the norms go chunk by chunk, as the memory allows."""
