@@ -26,10 +26,10 @@ padded values, a multiple of the partition size and of the packet size); chunk k
 compensated, normed, rotated and quantized while chunk k is on the wire, and chunk k-1
 is decoded as soon as its sums are in. Chunk k is coded as a vector of its own (the
 tensor's partitions, its own rounding key); a tensor of one chunk is coded exactly as
-before. A chunk after the first is rotated into its own slice of the error-feedback
-buffer (on the CPU, where nothing needs the rotated values after quantization, which
-overwrites them with the new error in the same pass), so peak memory is the output and
-chunk 0's rotation, not several copies of the tensor.
+before. A chunk rotated after the control exchange goes into its own slice of the
+error-feedback buffer (on the CPU, where nothing needs the rotated values after
+quantization, which overwrites them with the new error in the same pass), so peak memory
+is the output and chunk 0's rotation, not several copies of the tensor.
 
 The max-norm exchanges run through the torch process group (gloo or NCCL), not through
 the aggregator: a few floats per partition, they need MAX (the aggregator only adds small
@@ -1237,8 +1237,9 @@ class THCAllreduce:
         one pass, so nothing is allocated; only on the CPU (the CUDA kernels are not
         written for an output that is also an input) and when the stream does not read
         the rotated values after quantization (a DLCP policy that marks by values).
-        Chunk 0 never is: it is rotated before the control exchange, whose refusal must
-        leave the error feedback as it was."""
+        Chunk 0 is not where its rotation overlaps the control exchange (every call after
+        a tensor's first: _combined_exchange), whose refusal must leave the error feedback
+        as it was."""
         ef = self.error_feedback
         return (ef is not None and ef.rotated and flat.device.type == "cpu"
                 and not getattr(stream, "reads_rotated", False))
@@ -1564,7 +1565,7 @@ def _norm_group_end(start: int, n_chunks: int) -> int:
     """The end of the group of chunks whose norms are exchanged together, from `start`:
     chunk 0 alone (its norms ride the control exchange), then groups as long as the chunks
     before them (1, 2-3, 4-7, ...), so a call of n chunks holds 1 + ceil(log2 n) norm
-    exchanges, and each group's RHT takes no longer than what is already on the wire."""
+    exchanges, and no group is longer than what was submitted before it."""
     return min(n_chunks, max(1, 2 * start))
 
 
