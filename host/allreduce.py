@@ -1232,11 +1232,12 @@ class THCAllreduce:
         return chunks
 
     def _rotates_in_place(self, stream, flat) -> bool:
-        """Whether chunks after the first may be rotated into their slice of the rotated
-        error-feedback buffer: the quantizer reads them and writes the new error there in
-        one pass, so nothing is allocated; only on the CPU (the CUDA kernels are not
-        written for an output that is also an input) and when the stream does not read
-        the rotated values after quantization (a DLCP policy that marks by values).
+        """Whether chunks rotated after the control exchange may go into their slice of the
+        rotated error-feedback buffer: the quantizer reads them and writes the new error
+        there in one pass, so nothing is allocated; only on the CPU (the CUDA kernels do
+        not fuse the add into the RHT, so a rotation there allocates anyway and a group
+        would hold several in GPU memory) and when the stream does not read the rotated
+        values after quantization (a DLCP policy that marks by values).
         Chunk 0 is not where its rotation overlaps the control exchange (every call after
         a tensor's first: _combined_exchange), whose refusal must leave the error feedback
         as it was."""

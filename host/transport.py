@@ -1274,7 +1274,7 @@ class _Exchange:
         while self._next_unsent < self.available and self.sent[self._next_unsent]:
             self._next_unsent += 1
 
-    def expired(self, now, rto, rto_max=float("inf")) -> np.ndarray:
+    def expired(self, now, rto, rto_max) -> np.ndarray:
         """Chunks to retransmit now: timer expired, and evidence of a loss.
 
         A result only comes once every worker contributed, so a late result usually means a
