@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 import thc
+from host.control_channel import ControlChannel
 from host.transport import AggregatorTimeout, AggregatorUnreachable, default_policy
 from thc.layout import Layout
 
@@ -672,6 +673,9 @@ class THCAllreduce:
         # group between calls: host.fsdp's reduce-scatter)
         self.defer_end_agreement = True
         self._slots_of_size: dict[int, int] = {}   # tensor size -> norms of its chunk 0
+        # The MAX exchanges' own connections (host.control_channel), made at start();
+        # None: they go over the group's gloo (THC_GLOO_CONTROL=1, or no direct route).
+        self._channel: ControlChannel | None = None
 
     def close(self, destroy_group: bool = True) -> None:
         """Close the exchange's socket (in-network path) and, with destroy_group, THC's own
@@ -684,6 +688,9 @@ class THCAllreduce:
         close_exchange = getattr(self.exchange, "close", None)
         if close_exchange is not None:
             close_exchange()
+        if destroy_group and self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if destroy_group and self._own_group and self._started and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
@@ -762,6 +769,8 @@ class THCAllreduce:
             self.group = dist.new_group(backend=dist.get_backend())
             if isinstance(self.exchange, SumAllreduceExchange):
                 self.exchange.group = self.group
+        if self._channel is None and os.environ.get("THC_GLOO_CONTROL", "") != "1":
+            self._channel = ControlChannel.connect(self.group)
         self._started = True
 
     def submit(self, tensor: torch.Tensor, key: int = 0, *, layer: int = 0,
@@ -1039,7 +1048,7 @@ class THCAllreduce:
         vector[self._norm_slots() + self._rescue_field(self.rank)] = 1.0
         if dist.get_backend(self.group) == "nccl":
             vector = vector.cuda()
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        self._max_exchange(vector).wait()
         self.control_bytes += 8 * vector.numel()
 
     def _rescued(self, control) -> list[int]:
@@ -1104,7 +1113,7 @@ class THCAllreduce:
             vector[w:] = torch.from_numpy(np.concatenate([~missing, missing]).astype(np.uint8))
         if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
             vector = vector.to(device)
-        dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group)
+        self._max_exchange(vector).wait()
         self.control_bytes += vector.numel()
         vector = vector.cpu()
         silent = torch.nonzero(vector[:w]).flatten().tolist()
@@ -1221,7 +1230,7 @@ class THCAllreduce:
         group)."""
         chunks = [self._chunk_values(flat, key, rng, padded_total, in_place) for rng in rngs]
         norms = torch.cat([_as_torch(c.norms, flat.device).float() for c in chunks])
-        work = dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = self._max_exchange(norms)
         at = 0
         for chunk in chunks:
             n = len(chunk.norms)
@@ -1361,8 +1370,7 @@ class THCAllreduce:
             vector = torch.cat([head, make_control()])
             if device.type == "cuda" and dist.get_backend(self.group) == "nccl":
                 vector = vector.to(device)
-            work = dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group,
-                                   async_op=True)
+            work = self._max_exchange(vector)
             if overlap is not None:
                 overlap()
                 overlap = None
@@ -1379,6 +1387,13 @@ class THCAllreduce:
             if not asking:
                 return vector[:slots], control
             self._join_rescue(asking)
+
+    def _max_exchange(self, vector: torch.Tensor):
+        """Start a MAX all_reduce of a control or norm vector over THC's group: on the
+        control channel where it fits, else gloo/NCCL. Returns its Work (wait())."""
+        if self._channel is not None and self._channel.fits(vector):
+            return self._channel.all_reduce_max(vector)
+        return dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def _norm_slots(self) -> int:
         """Norms in the first exchange of a call: the most chunk 0 of any tensor size

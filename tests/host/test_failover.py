@@ -387,6 +387,9 @@ def _killed_worker(rank, init, cfg_dict, aggregator, queue):
             except RuntimeError as exc:
                 queue.put((rank, {"step": step, "error": str(exc),
                                   "seconds": time.monotonic() - t0}))
+                if rank == 0:
+                    # Rank 0 hosts the store: the other survivor's roll call reads it.
+                    time.sleep(ROLL_CALL_BEATS * HEARTBEAT_INTERVAL + 2)
                 return
         queue.put((rank, {"step": None}))
     except Exception:

@@ -3,7 +3,6 @@ gloo, the collective's sum exchange): the same bits as each chunk coded on its o
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import thc
 from host.allreduce import (CHUNK_KEY_STRIDE, SumAllreduceExchange, THCAllreduce,
@@ -54,15 +53,16 @@ def _simulate(codec, xs, ranges, key):
     return means, errors
 
 
-def _counting(monkeypatch):
-    """dtype of every all_reduce (norm exchanges are float32; control, float64)."""
+def _counting(monkeypatch, ar):
+    """dtype of every MAX exchange of ar (norm exchanges are float32; control, float64),
+    whichever channel carries it."""
     seen = []
-    original = dist.all_reduce
+    original = ar._max_exchange
 
-    def counted(tensor, *args, **kwargs):
-        seen.append(tensor.dtype)
-        return original(tensor, *args, **kwargs)
-    monkeypatch.setattr(dist, "all_reduce", counted)
+    def counted(vector):
+        seen.append(vector.dtype)
+        return original(vector)
+    monkeypatch.setattr(ar, "_max_exchange", counted)
     return seen
 
 
@@ -84,7 +84,7 @@ def test_grouped_in_place_pipeline_gives_the_bits_of_chunks_coded_alone(one_rank
                                                                np.asarray(add)))
         return rotate(x, *args, out=out, add=add, **kwargs)
     monkeypatch.setattr(codec, "rotate_and_norms", recorded)
-    exchanges = _counting(monkeypatch)
+    exchanges = _counting(monkeypatch, ar)
     for rnd, x in enumerate(xs):
         rotations.clear()
         exchanges.clear()
@@ -141,6 +141,6 @@ def test_without_in_place_rotation_each_chunk_has_its_own_exchange(one_rank_grou
                       **options)
     x = torch.from_numpy(np.random.default_rng(2).standard_normal(D).astype(np.float32))
     ar(x, 0)
-    exchanges = _counting(monkeypatch)
+    exchanges = _counting(monkeypatch, ar)
     ar(x, 0)
     assert exchanges.count(torch.float32) == 6          # chunks 1..6, chunk 0 in control
