@@ -4,8 +4,8 @@ Every THC call starts with a control exchange (chunk 0's norms and the agreement
 and a long tensor's later chunks exchange their norms in groups: small MAX all_reduces on
 THC's own process group, one to four per call. On gloo each is a chain of thread hand-offs
 (the caller queues the work for gloo's worker thread, whose messages go through its TCP
-loop thread). Four workers sharing two cores pay 5.7 ms and 2 ms of CPU per worker for a
-MAX of 64 floats that way; here it costs 0.25 ms and 0.06 ms (docs/perf.md, "Control
+loop thread). Four workers sharing two cores pay 5.8 ms and 2.2 ms of CPU per worker for
+a MAX of 64 floats that way; here it costs 0.5 ms and 0.2 ms (docs/perf.md, "Control
 exchanges without gloo").
 
 `ControlChannel` connects every pair of the group's workers once, at THC's start. An
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-MAX_BYTES = 1 << 16            # larger exchanges stay on gloo (a send could then block)
+MAX_BYTES = 1 << 16            # larger exchanges stay on gloo, made for them
 SETUP_TIMEOUT = 30.0           # seconds to connect every pair, else gloo stays the channel
 _MAGIC = 0x54484343            # "THCC"
 _HEADER = struct.Struct("!IIQ")    # magic, sequence number (mod 2^32), payload bytes
@@ -125,7 +125,7 @@ class ControlChannel:
                           "other on", RuntimeWarning, stacklevel=2)
             return None
         for s in peers.values():
-            s.settimeout(None)
+            s.setblocking(False)     # a send that would block reads meanwhile (_send)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(peers, rank, exchange_timeout)
 
@@ -159,15 +159,37 @@ class ControlChannel:
             seq = self._sent
             self._sent += 1
             message = _HEADER.pack(_MAGIC, seq & 0xFFFFFFFF, len(payload)) + payload
-            for r, s in self._peers.items():
-                try:
-                    s.sendall(message)
-                except OSError as exc:
-                    raise ControlChannelError(
-                        f"THC control exchange: sending to worker {r} failed ({exc}): its "
-                        "process has probably exited") from exc
+            for r in self._peers:
+                self._send(r, memoryview(message))
         self.exchanges += 1
         return ControlWork(self, seq, tensor)
+
+    def _send(self, r: int, message: memoryview) -> None:
+        """All of message to peer r. Where its socket is full, read what the peers sent in
+        the meantime: two workers sending each other more than their buffers hold, neither
+        reading, would otherwise wait for each other for ever."""
+        s = self._peers[r]
+        deadline = time.monotonic() + self.timeout
+        while message:
+            try:
+                message = message[s.send(message):]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise ControlChannelError(
+                    f"THC control exchange: sending to worker {r} failed ({exc}): its "
+                    "process has probably exited") from exc
+            if time.monotonic() > deadline:
+                raise ControlChannelError(f"THC control exchange: worker {r} took nothing "
+                                          f"for {self.timeout:.0f} s")
+            if self._recv_lock.acquire(blocking=False):
+                try:
+                    self._drain(s, wait_ms=100)
+                finally:
+                    self._recv_lock.release()
+            else:                    # another thread is reading: wait for room alone
+                select.select([], [s], [], 0.1)
 
     def _complete(self, seq: int, tensor: torch.Tensor, timeout: float | None) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -182,8 +204,7 @@ class ControlChannel:
                     raise ControlChannelError(
                         f"THC control exchange {seq}: no answer from worker(s) {missing} "
                         f"within {self.timeout if timeout is None else timeout:.0f} s")
-                for fd, _ in self._poll.poll(max(1, int(left * 1000))):
-                    self._read(self._rank_of[fd])
+                self._drain(None, wait_ms=max(1, int(left * 1000)))
             got = self._inbox.pop(seq, {})
         out = tensor.numpy()
         for r in sorted(got):
@@ -195,10 +216,26 @@ class ControlChannel:
                     "worker must make the same THC calls in the same order)")
             np.maximum(out, np.frombuffer(payload, dtype=out.dtype).reshape(out.shape), out=out)
 
+    def _drain(self, writable: socket.socket | None, wait_ms: int) -> None:
+        """Wait up to wait_ms for data from any peer (or room in `writable`) and read what
+        came. The caller holds the receive lock."""
+        poll = self._poll
+        if writable is not None:
+            poll.modify(writable, select.POLLIN | select.POLLOUT)
+        try:
+            for fd, events in poll.poll(wait_ms):
+                if events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                    self._read(self._rank_of[fd])
+        finally:
+            if writable is not None:
+                poll.modify(writable, select.POLLIN)
+
     def _read(self, r: int) -> None:
         """What peer r sent, cut into its messages (kept by sequence number)."""
         try:
             data = self._peers[r].recv(1 << 20)
+        except BlockingIOError:
+            return
         except OSError as exc:
             raise ControlChannelError(f"THC control exchange: receiving from worker {r} "
                                       f"failed ({exc})") from exc

@@ -74,7 +74,26 @@ def _a_silent_peer_times_out(rank, channel):
         channel.all_reduce_max(torch.zeros(4)).wait(datetime.timedelta(seconds=0.5))
 
 
-SCENARIOS = {"same_as_gloo": _same_as_gloo, "peer_exits": _a_peer_that_exits_is_named,
+def _full_buffers_do_not_deadlock(rank, channel):
+    """Every worker sends three 64 KB exchanges before it waits for any, through socket
+    buffers of a few KB: sends that block must read meanwhile, or all wait for ever."""
+    import socket
+    for s in channel._peers.values():
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    n = control_channel.MAX_BYTES // 8
+    mine = [torch.from_numpy(np.random.default_rng(10 * rank + i).standard_normal(n))
+            for i in range(3)]
+    works = [channel.all_reduce_max(v.clone()) for v in mine]
+    results = [w._tensor for w in works]
+    for w in works:
+        w.wait()
+    for v, got in zip(mine, results):
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        assert torch.equal(got, v)
+
+
+SCENARIOS = {"full_buffers": _full_buffers_do_not_deadlock, "same_as_gloo": _same_as_gloo, "peer_exits": _a_peer_that_exits_is_named,
              "out_of_step": _out_of_step_is_refused, "timeout": _a_silent_peer_times_out}
 
 
@@ -118,6 +137,10 @@ def _run(scenario="same_as_gloo", unreachable_rank=-1):
 
 def test_exchanges_give_what_gloo_gives_in_any_wait_order():
     _run("same_as_gloo")
+
+
+def test_sends_into_full_buffers_read_meanwhile_instead_of_deadlocking():
+    _run("full_buffers")
 
 
 def test_a_peer_that_exits_fails_the_exchange_at_once_and_is_named():
