@@ -96,10 +96,12 @@ class _JobState:
                                    (m.ip, m.udp_port)} for m in job.members}
         self.member_mask, self.member_count = job.member_mask, job.member_count
         self.by_worker = sorted(job.members, key=lambda m: m.worker)
-        # One lookup per packed byte yields both lanes: pair[b] = (T[b >> 4], T[b & 15]).
-        table = np.asarray(job.table, dtype=np.uint8)
+        # One lookup per packed byte yields both lanes: the little-endian 16-bit pair[b]
+        # holds T[b >> 4] in its first byte and T[b & 15] in its second (np.take of a
+        # 1-D table: a tenth of the time of indexing a (256, 2) one, per DATA packet).
+        table = np.asarray(job.table, dtype=np.uint16)
         byte = np.arange(256)
-        self.pair_table = np.stack([table[byte >> 4], table[byte & 0x0F]], axis=1)
+        self.pair_lanes = (table[byte >> 4] | (table[byte & 0x0F] << 8)).astype("<u2")
         copies = 2 * job.pool_size     # copy index = 2 * slot + (round & 1)
         self.copy_round = [0] * copies
         self.bitmap = [0] * copies
@@ -378,7 +380,7 @@ class ReferenceSwitch:
             return [self._reserve(state, c, member, tos)]
         payload = np.frombuffer(data, dtype=np.uint8, count=(num_values + 1) // 2,
                                 offset=HEADER_LEN)
-        lanes = state.pair_table[payload].reshape(-1)[:num_values]
+        lanes = np.take(state.pair_lanes, payload).view(np.uint8)[:num_values]
         sums = state.sums[c, :num_values]
         np.add(sums, lanes, out=sums)             # uint8: wraps mod 256 by construction
         state.bitmap[c] |= bit
