@@ -203,7 +203,7 @@ class ControlChannel:
                 if left <= 0:
                     raise ControlChannelError(
                         f"THC control exchange {seq}: no answer from worker(s) {missing} "
-                        f"within {self.timeout if timeout is None else timeout:.0f} s")
+                        f"within {self.timeout if timeout is None else timeout:g} s")
                 self._drain(None, wait_ms=max(1, int(left * 1000)))
             got = self._inbox.pop(seq, {})
         out = tensor.numpy()

@@ -93,8 +93,9 @@ def _full_buffers_do_not_deadlock(rank, channel):
         assert torch.equal(got, v)
 
 
-SCENARIOS = {"full_buffers": _full_buffers_do_not_deadlock, "same_as_gloo": _same_as_gloo, "peer_exits": _a_peer_that_exits_is_named,
-             "out_of_step": _out_of_step_is_refused, "timeout": _a_silent_peer_times_out}
+SCENARIOS = {"same_as_gloo": _same_as_gloo, "full_buffers": _full_buffers_do_not_deadlock,
+             "peer_exits": _a_peer_that_exits_is_named, "out_of_step": _out_of_step_is_refused,
+             "timeout": _a_silent_peer_times_out}
 
 
 def _worker(rank, port, scenario, unreachable_rank, queue):
@@ -103,8 +104,9 @@ def _worker(rank, port, scenario, unreachable_rank, queue):
                                 world_size=WORLD)
         if rank == unreachable_rank:             # advertise an address nobody can reach
             control_channel._advertised_address = lambda: "192.0.2.1"
-        with pytest.warns(RuntimeWarning, match="stay on gloo") if unreachable_rank >= 0 \
-                else contextlib.nullcontext():
+        expect_warning = pytest.warns(RuntimeWarning, match="stay on gloo") \
+            if unreachable_rank >= 0 else contextlib.nullcontext()
+        with expect_warning:
             channel = ControlChannel.connect(timeout=2.0)
         if unreachable_rank >= 0:
             assert channel is None
