@@ -177,9 +177,7 @@ class ControlChannel:
             except BlockingIOError:
                 pass
             except OSError as exc:
-                raise ControlChannelError(
-                    f"THC control exchange: sending to worker {r} failed ({exc}): its "
-                    "process has probably exited") from exc
+                raise _closed(r, exc) from exc
             if time.monotonic() > deadline:
                 raise ControlChannelError(f"THC control exchange: worker {r} took nothing "
                                           f"for {self.timeout:.0f} s")
@@ -236,13 +234,10 @@ class ControlChannel:
             data = self._peers[r].recv(1 << 20)
         except BlockingIOError:
             return
-        except OSError as exc:
-            raise ControlChannelError(f"THC control exchange: receiving from worker {r} "
-                                      f"failed ({exc})") from exc
+        except OSError as exc:       # a reset: it closed with data of ours unread
+            raise _closed(r, exc) from exc
         if not data:
-            raise ControlChannelError(
-                f"THC control exchange: worker {r} closed its connection: its process has "
-                "exited or closed THC")
+            raise _closed(r, None)
         buf = self._buffers[r]
         buf += data
         while len(buf) >= _HEADER.size:
@@ -257,6 +252,12 @@ class ControlChannel:
             self._inbox.setdefault(expected, {})[r] = bytes(buf[_HEADER.size:_HEADER.size + size])
             del buf[:_HEADER.size + size]
             self._next_from[r] = expected + 1
+
+
+def _closed(r: int, exc: OSError | None) -> ControlChannelError:
+    how = "" if exc is None else f" ({exc})"
+    return ControlChannelError(f"THC control exchange: worker {r} closed its connection{how}: "
+                               "its process has exited or closed THC")
 
 
 def _connect_pairs(store, token: int, rank: int, world: int,
