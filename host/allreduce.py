@@ -31,9 +31,10 @@ error-feedback buffer (on the CPU, where nothing needs the rotated values after
 quantization, which overwrites them with the new error in the same pass), so peak memory
 is the output and chunk 0's rotation, not several copies of the tensor.
 
-The max-norm exchanges run through the torch process group (gloo or NCCL), not through
-the aggregator: a few floats per partition, they need MAX (the aggregator only adds small
-integers), and the process group is there anyway for DDP.
+The max-norm exchanges run between the workers, not through the aggregator: a few floats
+per partition, they need MAX (the aggregator only adds small integers). On the CPU they go
+over direct TCP connections among the process group's workers (host.control_channel),
+else over the group itself (gloo or NCCL).
 
 Two exchanges for the integer sums:
 * `AggregatorExchange`: the in-network path, packed indices to the aggregator over UDP

@@ -65,15 +65,11 @@ class ControlWork:
             self._done = True
         return True
 
-    def is_completed(self) -> bool:
-        return self._done
-
 
 class ControlChannel:
     """MAX all_reduce of small CPU tensors among a process group's workers (module doc)."""
 
-    def __init__(self, peers: dict[int, socket.socket], rank: int, timeout: float):
-        self.rank = rank
+    def __init__(self, peers: dict[int, socket.socket], timeout: float):
         self.timeout = float(timeout)
         self.exchanges = 0
         self._peers = peers                         # group rank -> connected socket
@@ -98,7 +94,7 @@ class ControlChannel:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         exchange_timeout = _group_timeout(group)
         if world == 1:
-            return cls({}, rank, exchange_timeout)
+            return cls({}, exchange_timeout)
         if dist.get_backend(group) != "gloo":
             return None
         store = dist.distributed_c10d._get_default_store()
@@ -127,7 +123,7 @@ class ControlChannel:
         for s in peers.values():
             s.setblocking(False)     # a send that would block reads meanwhile (_send)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(peers, rank, exchange_timeout)
+        return cls(peers, exchange_timeout)
 
     def close(self) -> None:
         for s in self._peers.values():

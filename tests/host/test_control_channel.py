@@ -2,7 +2,6 @@
 gloo's all_reduce in real worker processes (a gloo group of 3 on loopback)."""
 import contextlib
 import datetime
-import multiprocessing as mp
 import time
 import traceback
 
@@ -13,7 +12,7 @@ import torch.distributed as dist
 
 from host import control_channel
 from host.control_channel import ControlChannel, ControlChannelError
-from hosttest_util import free_port, one_rank_group  # noqa: F401 (fixture)
+from hosttest_util import one_rank_group, run_worker_processes  # noqa: F401 (fixture)
 
 WORLD = 3
 
@@ -98,10 +97,9 @@ SCENARIOS = {"same_as_gloo": _same_as_gloo, "full_buffers": _full_buffers_do_not
              "timeout": _a_silent_peer_times_out}
 
 
-def _worker(rank, port, scenario, unreachable_rank, queue):
+def _worker(rank, init, scenario, unreachable_rank, queue):
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
         if rank == unreachable_rank:             # advertise an address nobody can reach
             control_channel._advertised_address = lambda: "192.0.2.1"
         expect_warning = pytest.warns(RuntimeWarning, match="stay on gloo") \
@@ -115,26 +113,17 @@ def _worker(rank, port, scenario, unreachable_rank, queue):
             SCENARIOS[scenario](rank, channel)
             dist.barrier()
             channel.close()
-        queue.put((rank, None))
+        queue.put((rank, {}))
     except BaseException:
-        queue.put((rank, traceback.format_exc()))
+        queue.put((rank, {"crash": traceback.format_exc()}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _run(scenario="same_as_gloo", unreachable_rank=-1):
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, scenario, unreachable_rank, queue))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    failed = {r: tb for r, tb in results.items() if tb}
-    assert not failed, "\n".join(f"rank {r}:\n{tb}" for r, tb in failed.items())
+    run_worker_processes(_worker, lambda r, init, queue: (r, init, scenario, unreachable_rank,
+                                                          queue), WORLD, seconds=120)
 
 
 def test_exchanges_give_what_gloo_gives_in_any_wait_order():
@@ -175,7 +164,7 @@ def test_fits_only_small_contiguous_cpu_tensors():
     assert not ControlChannel.fits(torch.zeros(8, 2)[:, 0])
     assert not ControlChannel.fits(torch.zeros(4, dtype=torch.float16))
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        ControlChannel({}, 0, 1.0).all_reduce_max(torch.zeros(4, dtype=torch.float16))
+        ControlChannel({}, 1.0).all_reduce_max(torch.zeros(4, dtype=torch.float16))
 
 
 def test_thc_uses_the_channel_unless_told_to_keep_gloo(one_rank_group, monkeypatch):
