@@ -37,7 +37,6 @@ its first optimizer step.
 
 import atexit
 import os
-import socket
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from host.allreduce import (DEFAULT_PIPELINE_VALUES, DEFAULT_PROBE_INTERVAL, Agg
                             SumAllreduceExchange, THCAllreduce, check_state_entries,
                             exchange_thread)
 from host.dlcp.marking import DlcpPolicy
+from host.ports import free_port
 from host.transport import AggregatorTransport, parse_address
 from thc.layout import DEFAULT_PARTITION_SIZE
 
@@ -549,10 +549,9 @@ def _close_open_states() -> None:
 
 
 def free_udp_port(host: str = "127.0.0.1") -> int:
-    """A UDP port nobody uses right now (for tests and the main job's member table)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nobody uses right now (for tests and the main job's member table):
+    host.ports.free_port, which is free for TCP too."""
+    return free_port(host)
 
 
 __all__ = ["THCHookState", "thc_hook", "thc_hook_state", "allreduce_gradients",

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -52,21 +51,10 @@ from dataplane.udp_service import serve
 from host import native
 from host.allreduce import AggregatorExchange, THCAllreduce, codec_threads
 from host.ddp_hook import INNETWORK_PARTITION_SIZE
+from host.ports import free_port
 from host.transport import RESULT_MODERATION_S, AggregatorTransport, TensorStream
 
 WARMUP_CALLS = 2
-
-
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DatagramCpu:
@@ -173,7 +161,7 @@ def _service(address, pool: int, vpp: int):
 def measure_path(use_native: bool, codec, x, *, calls: int, pool: int, vpp: int,
                  moderation: float = 0.0) -> dict:
     """CPU and wall ms per call of `calls` allreduces of x on one data path."""
-    local = ("127.0.0.1", _free_udp_port())
+    local = ("127.0.0.1", free_port())
     svc = _service(local, pool, vpp)
     transport = AggregatorTransport(svc.address, job=1, worker=0, expected=1, pool_size=pool,
                                     values_per_packet=vpp, local=local, native=use_native,
@@ -212,7 +200,7 @@ def run(mb: float = 16, calls: int = 10, vpp: int = 8192, pool: int = 64,
                          partition_size=INNETWORK_PARTITION_SIZE)
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_tcp_port()}",
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)
     paths = [(True, us) for us in moderations_us] if native.available() else []
     results = {"floor": None, "paths": []}

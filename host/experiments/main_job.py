@@ -55,7 +55,6 @@ import datetime
 import json
 import multiprocessing
 import os
-import socket
 import signal
 import sys
 import tempfile
@@ -82,6 +81,7 @@ from dataplane.wire import AGG_PORT_BASE
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port, thc_hook, thc_hook_state
 from host.experiments.bench_allreduce import link_mtu
 from host.experiments.common import load_digits_split, make_model, worker_context
+from host.ports import free_port
 from host.transport import parse_address
 
 COMPRESSORS = ("thc", "thc-allreduce", "bf16", "fp16", "powersgd", "none")
@@ -492,9 +492,7 @@ def run_workers(args, aggregator, members, runs=None, links=None):
         from host.netlab.shaped_links import GLOO_PORT
         init_method = f"tcp://{links['master']}:{GLOO_PORT}"
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     cfg = {"init_method": init_method, "runs": runs, "seed": args.seed,
            "hidden": args.hidden, "batch": args.batch, "lr": args.lr, "steps": args.steps,
            "eval_every": args.eval_every, "job": args.job, "pool_size": args.pool_size,

@@ -40,6 +40,7 @@ from dataplane.config import Job, Member, SwitchConfig
 from dataplane.dpdk_runner import HostService, cannot_run, counter_balance
 from host.ddp_hook import free_udp_port, thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
+from host.ports import free_port
 
 HIDDEN = 64
 BATCH = 64                  # samples per worker per step
@@ -128,7 +129,7 @@ def start_workers(args, config, aggregator):
     ready = [ctx.Event() for _ in range(args.workers)]
     stop, queue = ctx.Event(), ctx.Queue()
     progress = ctx.Array("l", args.workers, lock=False)
-    init = f"tcp://127.0.0.1:{free_udp_port('127.0.0.1')}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_train, args=(r, args.workers, init, config.to_dict(),
                                               aggregator, args, ready[r], stop, progress,
                                               queue), daemon=True)

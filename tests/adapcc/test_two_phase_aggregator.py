@@ -1,5 +1,4 @@
 """Phase 1 (expected = ready set) + phase 2 through the reference UDP aggregator: full sum."""
-import socket
 import threading
 import time
 
@@ -11,15 +10,10 @@ from dataplane.config import Job, Member, SwitchConfig
 from dataplane.udp_service import serve
 from host.adapcc.coordinator import LiveCoordinator, SkiRentalCostModel
 from host.adapcc.partial_aggregation import two_phase_allreduce
+from host.ports import free_port
 from host.transport import AggregatorTransport
 
 TABLE = np.asarray(thc.optimal_table(4, 30, 1 / 32, symmetric=True))
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pack(idx):

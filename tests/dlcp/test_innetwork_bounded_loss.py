@@ -13,7 +13,6 @@ behind a lossy relay, three worker processes (gloo process group for the agreeme
   "raise") both cases decode what THC's own group decodes.
 """
 import datetime
-import socket
 import time
 import traceback
 
@@ -25,6 +24,7 @@ from dataplane.config import Job, Member, SwitchConfig
 from host.netlab.relay import (DOWN, UP, LossyRelay, agg_chunk, agg_worker, any_of,
                                random_loss)
 from host.packets import TYPE_DATA, TYPE_RESULT
+from host.ports import free_port
 
 WORLD = 3
 D = 50_000
@@ -131,12 +131,6 @@ def _config(addresses, job=1, pool=64):
                                                            values_per_packet=VPP),)).validate()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(*rules, loss=0.0):
     import torch.multiprocessing as mp
 
@@ -151,15 +145,13 @@ def _run(*rules, loss=0.0):
     clean.target = exact_svc.address
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     queue = ctx.Queue()
     lossy = f"{relay.address[0]}:{relay.address[1]}"
     exact = f"{clean.address[0]}:{clean.address[1]}"
     # The workers' job description: their own addresses (the relays map them to the
     # member addresses the aggregators know).
-    own = _config([("127.0.0.1", _free_port()) for _ in range(WORLD)])
+    own = _config([("127.0.0.1", free_port()) for _ in range(WORLD)])
     procs = [ctx.Process(target=_worker, args=(r, init, lossy, exact, own, queue))
              for r in range(WORLD)]
     for p in procs:
@@ -297,12 +289,12 @@ def test_bounded_loss_with_partial_aggregation_is_refused_at_set_up():
 
     from host.allreduce import AggregatorExchange, THCAllreduce
     from host.transport import AggregatorTransport
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     codec = thc.THCCodec(seed=0)
     try:
         for min_count, refused in ((1, True), (2, False), (0, False)):
-            t = AggregatorTransport(("127.0.0.1", _free_port()), job=1, worker=0,
+            t = AggregatorTransport(("127.0.0.1", free_port()), job=1, worker=0,
                                     expected=0b11, min_count=min_count, pool_size=8)
             try:
                 if refused:

@@ -9,14 +9,11 @@ import pytest
 import thc
 from dataplane.config import Job, Member, SwitchConfig
 from dataplane.udp_service import serve
+from host.ports import free_port  # noqa: F401 (re-exported to the host tests)
 
 TABLE = thc.optimal_table(4, 30, 1 / 32, symmetric=True)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_config(addresses, pool_size: int, job: int = 1) -> SwitchConfig:
@@ -89,9 +86,7 @@ def run_worker_processes(worker, args, world: int, *, expect: int | None = None,
     expect = world if expect is None else expect
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "thc", "host.ddp_hook"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     queue = ctx.Queue()
     procs = [ctx.Process(target=worker, args=args(r, init, queue)) for r in range(world)]
     for p in procs:

@@ -4,7 +4,6 @@ refusals, the unreachable-switch error, and a lane-by-lane replay of the P4 data
 reference aggregator."""
 from __future__ import annotations
 
-import socket
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from dataplane.reference import GLOBAL_COUNTERS, JOB_COUNTERS, ReferenceSwitch
 from dataplane.bmv2 import control as pc
 from host.packets import (AGG_PORT_BASE, HEADER_LEN, TYPE_RESULT, encode_data, parse_frame,
                           wrap_frames)
+from host.ports import free_port
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 
@@ -200,15 +200,9 @@ def test_counter_names_match_the_protocol():
     assert out["jobs"][10]["rx"] == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_switch_is_a_clear_error():
     pytest.importorskip("p4runtime_sh", reason="p4runtime-shell not installed (make venv)")
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     ctl = pc.P4Controller(addr, timeout=0.5)
     with pytest.raises(pc.SwitchUnreachable, match=addr.replace(".", r"\.")):
         ctl.connect()
@@ -217,7 +211,7 @@ def test_unreachable_switch_is_a_clear_error():
 
 
 def test_missing_pipeline_files_name_the_compile_command(tmp_path):
-    ctl = pc.P4Controller(f"127.0.0.1:{_free_port()}", timeout=0.5)
+    ctl = pc.P4Controller(f"127.0.0.1:{free_port()}", timeout=0.5)
     with pytest.raises(FileNotFoundError, match="p4c --target bmv2"):
         ctl.connect(tmp_path / "main.p4info.txt", tmp_path / "main.json")
 

@@ -52,6 +52,7 @@ from host.adapcc.coordinator import fault_timeout, faulty_workers, redistribute_
 from host.adapcc.partial_aggregation import bitmap
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port
 from host.experiments.common import load_digits_split, make_model, worker_context
+from host.ports import free_port
 from host.transport import AggregatorTransport
 
 # --------------------------------------------------------------------------- coordinator
@@ -297,9 +298,7 @@ def run_job(workers: int = 4, kill_worker: int = 3, kill_step: int = 15, steps: 
     service = serve(SwitchConfig(ip="127.0.0.1", jobs=(Job.from_thc(1, pool, mems),)).validate(),
                     "127.0.0.1", 0)
     coord = FaultCoordinator(workers, global_batch, min_fault_timeout=min_fault_timeout)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_port = s.getsockname()[1]
+    init_port = free_port()
     cfg = {"workers": workers, "kill_worker": kill_worker, "kill_step": kill_step,
            "steps": steps, "hidden": hidden, "global_batch": global_batch, "lr": lr,
            "seed": seed, "timeout": timeout, "job": 1, "pool_size": pool,

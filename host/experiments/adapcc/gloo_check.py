@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 
 import torch
@@ -20,14 +19,9 @@ from host.adapcc import strategies
 from host.adapcc.executor import TreeExecutor, allreduce_two_phase
 from host.adapcc.profiler import PeriodicProfiler, profile_links
 from host.adapcc.synthesizer import Synthesizer
+from host.ports import free_port
 
 NUMEL = 1001          # deliberately not divisible by chunk counts or M
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local(rank: int, dtype) -> torch.Tensor:
@@ -120,7 +114,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 def run_all(world: int = 4, timeout: float = 120.0) -> dict[int, dict]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
