@@ -293,14 +293,14 @@ def quantize(a, half, scale, codec, layout, key, step=None, error_out=None):
     from the same pass (step: the per-partition decode step, needed then)."""
     a = _contiguous(a, np.float32)
     out = np.empty(layout.padded // 2, dtype=np.uint8)
-    cells, inv_width, values = _quantizer_tables(codec)
+    cells, inv_width, values, shuffle = _quantizer_tables(codec)
     log_p = layout.partition_size.bit_length() - 1
     has_err = error_out is not None
     err = error_out if has_err else a
     if step is None:
         step = np.zeros_like(half)
     nonfinite = vk.quantize(a, half, scale, step, np.float32(codec.granularity), cells,
-                            inv_width, values, log_p, np.uint64(key), out, err, has_err)
+                            inv_width, values, shuffle, log_p, np.uint64(key), out, err, has_err)
     return out, int(nonfinite)
 
 
