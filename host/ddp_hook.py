@@ -49,11 +49,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import thc
 from dataplane.config import SwitchConfig
+from dataplane.ports import free_port
 from host.allreduce import (DEFAULT_PIPELINE_VALUES, DEFAULT_PROBE_INTERVAL, AggregatorExchange,
                             SumAllreduceExchange, THCAllreduce, check_state_entries,
                             exchange_thread)
 from host.dlcp.marking import DlcpPolicy
-from host.ports import free_port
 from host.transport import AggregatorTransport, parse_address
 from thc.layout import DEFAULT_PARTITION_SIZE
 
@@ -550,7 +550,7 @@ def _close_open_states() -> None:
 
 def free_udp_port(host: str = "127.0.0.1") -> int:
     """A port nobody uses right now (for tests and the main job's member table):
-    host.ports.free_port, which is free for TCP too."""
+    dataplane.ports.free_port, which is free for TCP too."""
     return free_port(host)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dataplane.bmv2.control import (BMV2_QUEUE_DEPTH, BUILD_DIR, DEFAULT_BMV2_JSON, DEFAULT_P4INFO,
                             P4_SOURCE)
+from dataplane.ports import free_port
 
 PRIORITY_QUEUES = 8            # DLCP: 7 data bands + control (docs/protocol.md §6)
 LOG_TAIL_LINES = 20
@@ -42,12 +43,6 @@ def compile_program() -> None:
     if proc.returncode != 0:
         raise RuntimeError(f"p4c failed on {P4_SOURCE} (exit {proc.returncode}):\n"
                            f"{proc.stdout}{proc.stderr}")
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def switch_command(interfaces: dict[int, str], grpc_port: int, thrift_port: int,
@@ -79,8 +74,8 @@ class Bmv2Switch:
                  popen=subprocess.Popen):
         self.interfaces = dict(interfaces)
         self.log_path = Path(log_path)
-        self.grpc_port = grpc_port or free_tcp_port()
-        self.thrift_port = thrift_port or free_tcp_port()
+        self.grpc_port = grpc_port or free_port()
+        self.thrift_port = thrift_port or free_port()
         self.grpc_addr = f"127.0.0.1:{self.grpc_port}"
         self._popen = popen
         self.process: subprocess.Popen | None = None

@@ -47,11 +47,11 @@ import torch.distributed as dist
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
+from dataplane.ports import free_port
 from dataplane.udp_service import serve
 from host import native
 from host.allreduce import AggregatorExchange, THCAllreduce, codec_threads
 from host.ddp_hook import INNETWORK_PARTITION_SIZE
-from host.ports import free_port
 from host.transport import RESULT_MODERATION_S, AggregatorTransport, TensorStream
 
 WARMUP_CALLS = 2

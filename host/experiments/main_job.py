@@ -76,12 +76,12 @@ from tqdm import tqdm
 import thc
 from dataplane.config import MAX_VALUES, Job, Member, SwitchConfig
 from dataplane.dpdk_runner import HostService, SwitchError, cannot_run
+from dataplane.ports import free_port
 from dataplane.udp_service import serve
 from dataplane.wire import AGG_PORT_BASE
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port, thc_hook, thc_hook_state
 from host.experiments.bench_allreduce import link_mtu
 from host.experiments.common import load_digits_split, make_model, worker_context
-from host.ports import free_port
 from host.transport import parse_address
 
 COMPRESSORS = ("thc", "thc-allreduce", "bf16", "fp16", "powersgd", "none")

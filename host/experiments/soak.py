@@ -38,9 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dataplane.config import Job, Member, SwitchConfig
 from dataplane.dpdk_runner import HostService, cannot_run, counter_balance
+from dataplane.ports import free_port
 from host.ddp_hook import free_udp_port, thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
-from host.ports import free_port
 
 HIDDEN = 64
 BATCH = 64                  # samples per worker per step

@@ -7,10 +7,10 @@ import pytest
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
+from dataplane.ports import free_port
 from dataplane.udp_service import serve
 from host.adapcc.coordinator import LiveCoordinator, SkiRentalCostModel
 from host.adapcc.partial_aggregation import two_phase_allreduce
-from host.ports import free_port
 from host.transport import AggregatorTransport
 
 TABLE = np.asarray(thc.optimal_table(4, 30, 1 / 32, symmetric=True))

@@ -21,10 +21,10 @@ import pytest
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
+from dataplane.ports import free_port
 from host.netlab.relay import (DOWN, UP, LossyRelay, agg_chunk, agg_worker, any_of,
                                random_loss)
 from host.packets import TYPE_DATA, TYPE_RESULT
-from host.ports import free_port
 
 WORLD = 3
 D = 50_000

@@ -8,8 +8,8 @@ import pytest
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
+from dataplane.ports import free_port  # noqa: F401 (re-exported to the host tests)
 from dataplane.udp_service import serve
-from host.ports import free_port  # noqa: F401 (re-exported to the host tests)
 
 TABLE = thc.optimal_table(4, 30, 1 / 32, symmetric=True)
 

@@ -12,9 +12,9 @@ from dataplane import job_plan
 from dataplane.config import ConfigError, Dlcp, Job, Member, Route, SwitchConfig
 from dataplane.reference import GLOBAL_COUNTERS, JOB_COUNTERS, ReferenceSwitch
 from dataplane.bmv2 import control as pc
+from dataplane.ports import free_port
 from host.packets import (AGG_PORT_BASE, HEADER_LEN, TYPE_RESULT, encode_data, parse_frame,
                           wrap_frames)
-from host.ports import free_port
 
 TABLE = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 

@@ -47,12 +47,12 @@ import torch.nn.functional as F
 
 import thc
 from dataplane.config import Job, Member, SwitchConfig
+from dataplane.ports import free_port
 from dataplane.udp_service import serve
 from host.adapcc.coordinator import fault_timeout, faulty_workers, redistribute_batch
 from host.adapcc.partial_aggregation import bitmap
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port
 from host.experiments.common import load_digits_split, make_model, worker_context
-from host.ports import free_port
 from host.transport import AggregatorTransport
 
 # --------------------------------------------------------------------------- coordinator

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dataplane.ports import free_port
 from host.adapcc import strategies
 from host.adapcc.executor import TreeExecutor, allreduce_two_phase
 from host.adapcc.profiler import PeriodicProfiler, profile_links
 from host.adapcc.synthesizer import Synthesizer
-from host.ports import free_port
 
 NUMEL = 1001          # deliberately not divisible by chunk counts or M
 

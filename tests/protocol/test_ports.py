@@ -1,8 +1,8 @@
-"""host.ports.free_port: the ports the tests and experiments hand to a rendezvous, a store
+"""dataplane.ports.free_port: the ports the tests and experiments hand to a rendezvous, a store
 or a job's members."""
 import socket
 
-from host import ports
+from dataplane import ports
 
 
 def test_a_free_port_is_below_the_ephemeral_range_and_free_for_tcp_and_udp():
