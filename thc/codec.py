@@ -275,12 +275,10 @@ class THCCodec:
                 raise ValueError(f"sums have length {kernels.length(flat)}, expected "
                                  f"padded_length({d}) = {layout.padded}")
             half, _, step = self._partition_constants(max_norms, layout, "sums")
-            rotated = kernels.decode_rotated(flat, kernels.as_counts(counts, layout.padded),
-                                             half, step, layout,
-                                             out=kernels.decoded_scratch(layout.padded))
             out_flat = (None if out is None
                         else kernels.as_flat(_checked_buffer(out, d, "out"), "out"))
-            result = kernels.inverse_rotate(rotated, layout, self.sign_key, out=out_flat)
+            result = kernels.decode_inverse(flat, kernels.as_counts(counts, layout.padded),
+                                            half, step, layout, self.sign_key, out=out_flat)
             return out if out is not None else kernels.wrap_like(sums, result)
         rotated = self._decode_rotated(sums, counts, max_norms, "sums")
         kernels = self._kernels(rotated)

@@ -30,7 +30,7 @@ U_GOLDEN, U_ONE = rng.U_GOLDEN, rng.U_ONE
 NORM_CHUNK = 1 << 16
 NT_MIN_BYTES = 1 << 23       # outputs at least this large skip the cache (streaming stores)
 MIN_VECTOR_PARTITION = vk.LANES
-FUSED = True                 # rotate(add=, norms=) and quantize(error_out=) in one pass
+FUSED = True                 # rotate(add=, norms=), quantize(error_out=), decode_inverse: one pass each
 
 
 @njit(cache=True, inline="always")
@@ -344,6 +344,46 @@ def decode_rotated(sums, counts, half, step, layout, out=None):
     _decode_rotated(sums, counts, half, step, log_p, out)
     return out
 
+
+
+def decode_inverse(sums, counts, half, step, layout, sign_key, out=None):
+    """inverse_rotate(decode_rotated(sums, counts, half, step)) without the decoded tensor:
+    the full partitions are decoded chunk by chunk inside the inverse RHT (the same
+    operations, so the same bits). counts: as_counts's float32 array."""
+    sums = _contiguous(sums)
+    if sums.dtype.kind not in "iu":
+        raise TypeError(f"sums must be an integer array, got {sums.dtype}")
+    out = _output(out, layout.d, "decode_inverse")
+    n, full = layout.partition_size, layout.full_partitions
+    threads = numba.get_num_threads()
+    if n < MIN_VECTOR_PARTITION or (full == 1 and n > 4096 and threads > 1):
+        # tiny partitions, or one partition shared by every thread: the two passes
+        rotated = decode_rotated(sums, counts, half, step, layout,
+                                 out=decoded_scratch(layout.padded))
+        return inverse_rotate(rotated, layout, sign_key, out=out)
+    key, scale = np.uint64(sign_key), np.float32(1.0 / np.sqrt(n))
+    if full:
+        rows = min(threads, full)
+        nt = (4 * n * full >= NT_MIN_BYTES and out.ctypes.data % 64 == 0)
+        vk.decode_inverse_partitions(sums, counts, half, step, out, n, full, key, scale,
+                                     _scratch_rows(rows, n), _chunk_rows(rows), nt)
+    if layout.tail:
+        start, n_tail = full * n, layout.tail_padded
+        tail_counts = counts if counts.shape[0] == 1 else counts[start:]
+        decoded, rotated = decoded_scratch(n_tail), aligned_empty(n_tail)
+        _decode_rotated(sums[start:], tail_counts, half[full:], step[full:],
+                        n.bit_length() - 1, decoded)
+        _transform(decoded, 0, rotated, 0, n_tail, 1, start, key,
+                   np.float32(1.0 / np.sqrt(n_tail)), vk.SIGN_LAST)
+        out[start:] = rotated[:layout.d - start]
+    return out
+
+
+def _chunk_rows(rows: int) -> np.ndarray:
+    buf = getattr(_scratch, "chunks", None)
+    if buf is None or buf.shape[0] < rows:
+        buf = _scratch.chunks = np.empty((rows, vk.CHUNK), dtype=np.float32)
+    return buf[:rows]
 
 def decoded_scratch(length: int) -> np.ndarray:
     """A per-thread float32 buffer for decode's rotated-domain intermediate (read by the

@@ -465,6 +465,71 @@ def _partitions_driver(sign, nt, has_add):
     return partitions
 
 
+
+# ---- decode fused into the inverse RHT --------------------------------------------------
+@njit(cache=True, inline="always", error_model="numpy")
+def _decode_into(sums, si, counts, per_element, m, st, tmp, length):
+    """tmp[:length] = the rotated-domain values of sums[si:si+length], with the operations
+    of thc.reference.decode_rotated: (Y / count) * step - M, count 0 -> 0."""
+    y = sums[si:si + length]
+    t = tmp[:length]
+    if per_element:
+        cs = counts[si:si + length]
+        for i in range(length):
+            c = cs[i]
+            v = (np.float32(y[i]) / c) * st - m
+            t[i] = v if c > 0 else np.float32(0.0)
+    else:
+        c = counts[0]
+        if c > 0:
+            for i in range(length):
+                t[i] = (np.float32(y[i]) / c) * st - m
+        else:
+            for i in range(length):
+                t[i] = np.float32(0.0)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")    # count 0: y / 0, then dropped
+def _decoded_partition(sums, si, counts, per_element, m, st, dst, di, n, key, scale, scratch,
+                       tmp, nt):
+    """_partition's inverse RHT of one partition (its padded position is si), its input
+    decoded chunk by chunk into tmp (256 floats, in L1) just before the chunk's register
+    stages: the decoded tensor never goes to memory."""
+    if n <= CHUNK:
+        _decode_into(sums, si, counts, per_element, m, st, tmp, n)
+        _chunk(n // LANES, tmp, 0, dst, di, si, key, scale, SIGN_LAST, nt, dst, di, False)
+        return
+    for c in range(n // CHUNK):
+        p = c * CHUNK
+        _decode_into(sums, si + p, counts, per_element, m, st, tmp, CHUNK)
+        _chunk_into_scratch(tmp, 0, scratch, p, si + p, key, scale, SIGN_LAST)
+        done = p + CHUNK
+        stride = CHUNK
+        while stride < n:
+            group = min(16 * stride, n)
+            if done % group:
+                break
+            _level(scratch, dst, di, n, si, key, scale, done - group, stride, 0, stride,
+                   SIGN_LAST, nt, dst, False)
+            stride = group
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def decode_inverse_partitions(sums, counts, half, step, dst, n, count, key, scale, scratch,
+                              tmp, nt):
+    """The first `count` partitions of n >= 16 values: dst[k*n:(k+1)*n] = the inverse RHT of
+    partition k of sums decoded with half[k], step[k] and counts (one entry, or one per
+    element), bit for bit as decode_rotated then fwht_partitions(SIGN_LAST). scratch and
+    tmp: one row per thread (scratch_size(n) and CHUNK floats)."""
+    threads = scratch.shape[0]
+    per_element = counts.shape[0] > 1
+    for t in prange(threads):
+        for k in range(t, count, threads):
+            _decoded_partition(sums, k * n, counts, per_element, half[k], step[k], dst, k * n,
+                               n, key, scale, scratch[t], tmp[t], nt)
+        if nt:
+            _store_fence()
+
 # One compiled driver per (signs, streaming stores, added vector): the flags are constants
 # inside, so the kernels carry no branches for them; each is compiled on first use.
 _DRIVERS = {}

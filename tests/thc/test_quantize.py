@@ -65,6 +65,25 @@ def test_cpu_quantizer_bit_identical_to_reference(rs):
                                atol=1e-5)
 
 
+
+@pytest.mark.parametrize("ps", [16, 256, 1 << 13])
+def test_cpu_decode_is_the_references_bit_for_bit(ps, rs):
+    """The CPU decode runs inside the inverse RHT, chunk by chunk: the same bits as the
+    reference's decode then inverse RHT, for every sum width, a count per element (with
+    zeros), one count (0 included), full partitions only and a padded tail."""
+    ref = thc.THCCodec(partition_size=ps, backend="numpy")
+    cpu = thc.THCCodec(partition_size=ps, backend="cpu")
+    for d in (ps, 3 * ps, 3 * ps + 5, 600, 20001):
+        padded = cpu.layout(d).padded
+        norms = ref.partition_norms(rs.standard_normal(d).astype(np.float32)) * 1.3
+        for dtype in (np.uint8, np.uint16, np.int32):
+            sums = rs.integers(0, 61, padded).astype(dtype)
+            for counts in (4, 3, 0, rs.integers(0, 5, padded)):
+                want = ref.decode(sums, counts, norms, d)
+                assert np.array_equal(cpu.decode(sums, counts, norms, d), want)
+                out = np.full(d, np.nan, np.float32)
+                assert np.array_equal(cpu.decode(sums, counts, norms, d, out=out), want)
+
 def test_randomness_is_keyed(rs):
     codec = thc.THCCodec(partition_size=256)
     x = rs.standard_normal(512).astype(np.float32)
