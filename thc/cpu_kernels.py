@@ -183,36 +183,8 @@ def _lookup(packed, pair_table, out16):
             dst[k] = pair_table[src[k]]
 
 
-@njit(parallel=True, cache=True, nogil=True)
 def _decode_rotated(sums, counts, half, step, log_p, out):
-    """-M + (Y / count) * step per element; count 0 -> 0. counts: 1 entry or one each.
-    Tasks never straddle a partition, so M and step are loop constants and the loop
-    vectorizes (same float32 operations as the reference)."""
-    n = out.shape[0]
-    task = min(DECODE_TASK, 1 << log_p)
-    per_element = counts.shape[0] > 1
-    for t in prange((n + task - 1) // task):
-        lo = t * task
-        hi = min(n, lo + task)
-        part = lo >> log_p
-        m = half[part]
-        st = step[part]
-        y = sums[lo:hi]
-        dst = out[lo:hi]
-        if per_element:
-            cs = counts[lo:hi]
-            for i in range(dst.shape[0]):
-                c = cs[i]
-                v = (np.float32(y[i]) / c) * st - m
-                dst[i] = v if c > 0 else np.float32(0.0)
-        else:
-            c = counts[0]
-            if c > 0:
-                for i in range(dst.shape[0]):
-                    dst[i] = (np.float32(y[i]) / c) * st - m
-            else:
-                for i in range(dst.shape[0]):
-                    dst[i] = np.float32(0.0)
+    vk.decode_rotated(sums, counts, half, step, log_p, out, DECODE_TASK)
 
 
 # ---- the backend interface the codec calls ----------------------------------------------

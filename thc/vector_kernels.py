@@ -410,15 +410,24 @@ def _partition(src, si, dst, di, n, pos, key, scale, scratch, sign, nt, add, has
     for c in range(n // CHUNK):
         p = c * CHUNK
         _chunk_into_scratch(src, si + p, scratch, p, pos + p, key, scale, sign)
-        done = p + CHUNK
-        stride = CHUNK
-        while stride < n:
-            group = min(16 * stride, n)
-            if done % group:
-                break
-            squares += _level(scratch, dst, di, n, pos, key, scale, done - group, stride, 0,
-                              stride, sign, nt, add, has_add)
-            stride = group
+        squares += _completed_levels(scratch, dst, di, n, pos, key, scale, p + CHUNK, sign,
+                                     nt, add, has_add)
+    return squares
+
+
+@njit(cache=True, inline="always")
+def _completed_levels(scratch, dst, di, n, pos, key, scale, done, sign, nt, add, has_add):
+    """Every stride level whose group the first `done` floats of the partition complete
+    (in the scratch since the chunk just transformed); their sum of squares written to dst."""
+    squares = np.float64(0.0)
+    stride = CHUNK
+    while stride < n:
+        group = min(16 * stride, n)
+        if done % group:
+            break
+        squares += _level(scratch, dst, di, n, pos, key, scale, done - group, stride, 0,
+                          stride, sign, nt, add, has_add)
+        stride = group
     return squares
 
 
@@ -489,6 +498,22 @@ def _decode_into(sums, si, counts, per_element, m, st, tmp, length):
                 t[i] = np.float32(0.0)
 
 
+@njit(cache=True, parallel=True, nogil=True)
+def decode_rotated(sums, counts, half, step, log_p, out, task):
+    """out = -M + (Y / count) * step per element (count 0 -> 0); counts: 1 entry or one
+    each. Tasks of `task` values never straddle a partition, so M and step are loop
+    constants and the loop vectorizes (same float32 operations as the reference)."""
+    n = out.shape[0]
+    task = min(task, 1 << log_p)
+    per_element = counts.shape[0] > 1
+    for t in prange((n + task - 1) // task):
+        lo = t * task
+        hi = min(n, lo + task)
+        part = lo >> log_p
+        _decode_into(sums, lo, counts, per_element, half[part], step[part], out[lo:hi],
+                     hi - lo)
+
+
 @njit(cache=True, nogil=True, error_model="numpy")    # count 0: y / 0, then dropped
 def _decoded_partition(sums, si, counts, per_element, m, st, dst, di, n, key, scale, scratch,
                        tmp, nt):
@@ -503,15 +528,8 @@ def _decoded_partition(sums, si, counts, per_element, m, st, dst, di, n, key, sc
         p = c * CHUNK
         _decode_into(sums, si + p, counts, per_element, m, st, tmp, CHUNK)
         _chunk_into_scratch(tmp, 0, scratch, p, si + p, key, scale, SIGN_LAST)
-        done = p + CHUNK
-        stride = CHUNK
-        while stride < n:
-            group = min(16 * stride, n)
-            if done % group:
-                break
-            _level(scratch, dst, di, n, si, key, scale, done - group, stride, 0, stride,
-                   SIGN_LAST, nt, dst, False)
-            stride = group
+        _completed_levels(scratch, dst, di, n, si, key, scale, p + CHUNK, SIGN_LAST, nt, dst,
+                          False)
 
 
 @njit(cache=True, parallel=True, nogil=True)
