@@ -474,7 +474,6 @@ def _partitions_driver(sign, nt, has_add):
     return partitions
 
 
-
 # ---- decode fused into the inverse RHT --------------------------------------------------
 @njit(cache=True, inline="always", error_model="numpy")
 def _decode_into(sums, si, counts, per_element, m, st, tmp, length):
@@ -519,7 +518,8 @@ def _decoded_partition(sums, si, counts, per_element, m, st, dst, di, n, key, sc
                        tmp, nt):
     """_partition's inverse RHT of one partition (its padded position is si), its input
     decoded chunk by chunk into tmp (256 floats, in L1) just before the chunk's register
-    stages: the decoded tensor never goes to memory."""
+    stages: the decoded tensor never goes to memory. Streaming stores and the last signs
+    as in _partition with SIGN_LAST."""
     if n <= CHUNK:
         _decode_into(sums, si, counts, per_element, m, st, tmp, n)
         _chunk(n // LANES, tmp, 0, dst, di, si, key, scale, SIGN_LAST, nt, dst, di, False)
@@ -743,8 +743,8 @@ class _ByteShuffleLookup(_Lookup):
     bytes). AVX2's 8-lane vpermd/vpermps would need four and two permutes per half vector
     plus blends, and on AMD before Zen 2 a 256-bit vpermd is 3 uops, one per 4 cycles:
     on a Zen 1 the quantizer took 16.2 ms per 2^22 elements with them, 12.7 with these
-    (one thread, no error output). Exact: the bytes are the tables'
-    own (shuffle_tables). Needs g <= 31 and a table of integers below 256."""
+    (one thread, no error output). Exact: the bytes are the tables' own
+    (shuffle_tables). Needs g <= 31 and a table of integers below 256."""
 
     def __init__(self, builder, cells_ptr, inv_ptr, table_ptr, shuffle_ptr):
         self.builder = builder
