@@ -30,7 +30,7 @@ U_GOLDEN, U_ONE = rng.U_GOLDEN, rng.U_ONE
 NORM_CHUNK = 1 << 16
 NT_MIN_BYTES = 1 << 23       # outputs at least this large skip the cache (streaming stores)
 MIN_VECTOR_PARTITION = vk.LANES
-FUSED = True                 # rotate(add=, norms=), quantize(error_out=), decode_inverse: one pass each
+FUSED = True                 # rotate(add=, norms=), quantize(error_out=), decode_inverse
 
 
 @njit(cache=True, inline="always")
@@ -317,7 +317,6 @@ def decode_rotated(sums, counts, half, step, layout, out=None):
     return out
 
 
-
 def decode_inverse(sums, counts, half, step, layout, sign_key, out=None):
     """inverse_rotate(decode_rotated(sums, counts, half, step)) without the decoded tensor:
     the full partitions are decoded chunk by chunk inside the inverse RHT (the same
@@ -356,6 +355,7 @@ def _chunk_rows(rows: int) -> np.ndarray:
     if buf is None or buf.shape[0] < rows:
         buf = _scratch.chunks = np.empty((rows, vk.CHUNK), dtype=np.float32)
     return buf[:rows]
+
 
 def decoded_scratch(length: int) -> np.ndarray:
     """A per-thread float32 buffer for decode's rotated-domain intermediate (read by the
