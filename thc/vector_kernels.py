@@ -737,6 +737,9 @@ class _PermuteLookup(_Lookup):
         return self.builder.call(fn, [table, idx])
 
 
+SHUFFLE_TABLE_BYTES = 112      # the byte tables of _ByteShuffleLookup (shuffle_tables)
+
+
 class _ByteShuffleLookup(_Lookup):
     """The same tables as bytes, looked up 16 lanes at a time with one 128-bit pshufb
     (SSSE3) per 16-entry table: cells by two, T[j] by one, a float 1/width by four (its
@@ -990,9 +993,6 @@ def quantizer_tables(table: np.ndarray, lower: np.ndarray, inv_width: np.ndarray
         if PERMUTE_LOOKUP == "avx2":
             shuffle = shuffle_tables(cells, inv, values)
     return cells, inv, values, shuffle
-
-
-SHUFFLE_TABLE_BYTES = 112
 
 
 def shuffle_tables(cells: np.ndarray, inv: np.ndarray, values: np.ndarray) -> np.ndarray:

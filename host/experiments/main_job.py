@@ -79,7 +79,7 @@ from dataplane.dpdk_runner import HostService, SwitchError, cannot_run
 from dataplane.ports import free_port
 from dataplane.udp_service import serve
 from dataplane.wire import AGG_PORT_BASE
-from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port, thc_hook, thc_hook_state
+from host.ddp_hook import INNETWORK_PARTITION_SIZE, thc_hook, thc_hook_state
 from host.experiments.bench_allreduce import link_mtu
 from host.experiments.common import load_digits_split, make_model, worker_context
 from host.transport import parse_address
@@ -414,7 +414,7 @@ def _member_addresses(args, agg_host: str) -> list[tuple[str, int]]:
     ip = "127.0.0.1" if agg_host.startswith("127.") or agg_host == "localhost" else "0.0.0.0"
     if args.worker_port_base:
         return [(ip, args.worker_port_base + w) for w in range(args.workers)]
-    return [(ip, free_udp_port()) for _ in range(args.workers)]
+    return [(ip, free_port()) for _ in range(args.workers)]
 
 
 def _job_description(args, members):
@@ -458,7 +458,7 @@ def start_dpdk_switch(args):
     # A subnet and interface name of this process, so two main jobs do not collide.
     net = f"10.214.{os.getpid() % 250}"
     host_ip, switch_ip = f"{net}.1", f"{net}.254"
-    ports = [free_udp_port("0.0.0.0") for _ in range(args.workers)]
+    ports = [free_port("0.0.0.0") for _ in range(args.workers)]
     mems = tuple(Member(worker=w, port=0, mac="02:00:00:00:d0:01", ip=host_ip, udp_port=p)
                  for w, p in enumerate(ports))
     config = SwitchConfig(mac="02:00:00:00:d0:fe", ip=switch_ip,

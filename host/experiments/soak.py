@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dataplane.config import Job, Member, SwitchConfig
 from dataplane.dpdk_runner import HostService, cannot_run, counter_balance
 from dataplane.ports import free_port
-from host.ddp_hook import free_udp_port, thc_hook, thc_hook_state
+from host.ddp_hook import thc_hook, thc_hook_state
 from host.experiments.common import load_digits_split, make_model
 
 HIDDEN = 64
@@ -61,7 +61,7 @@ def switch_config(workers: int) -> SwitchConfig:
     subnet of this process, so two soaks do not collide)."""
     net = f"10.215.{os.getpid() % 250}"
     members = tuple(Member(worker=w, port=0, mac="02:00:00:00:d5:01", ip=f"{net}.1",
-                           udp_port=free_udp_port("0.0.0.0")) for w in range(workers))
+                           udp_port=free_port("0.0.0.0")) for w in range(workers))
     job = Job.from_thc(1, POOL_SIZE, members, values_per_packet=VALUES_PER_PACKET)
     return SwitchConfig(mac="02:00:00:00:d5:fe", ip=f"{net}.254", jobs=(job,)).validate()
 

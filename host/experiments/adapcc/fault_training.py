@@ -51,7 +51,7 @@ from dataplane.ports import free_port
 from dataplane.udp_service import serve
 from host.adapcc.coordinator import fault_timeout, faulty_workers, redistribute_batch
 from host.adapcc.partial_aggregation import bitmap
-from host.ddp_hook import INNETWORK_PARTITION_SIZE, free_udp_port
+from host.ddp_hook import INNETWORK_PARTITION_SIZE
 from host.experiments.common import load_digits_split, make_model, worker_context
 from host.transport import AggregatorTransport
 
@@ -291,7 +291,7 @@ def run_job(workers: int = 4, kill_worker: int = 3, kill_step: int = 15, steps: 
         raise ValueError(f"global batch {global_batch}: choose one divisible by {workers} and "
                          f"{workers - 1} so every worker's share is equal before and after")
     t0 = time.monotonic()
-    members = [("127.0.0.1", free_udp_port()) for _ in range(workers)]
+    members = [("127.0.0.1", free_port()) for _ in range(workers)]
     mems = [Member(worker=w, port=w, mac=f"02:00:00:00:03:{w + 1:02x}", ip=ip, udp_port=p)
             for w, (ip, p) in enumerate(members)]
     pool = 32
