@@ -20,6 +20,14 @@ from .layout import DEFAULT_PARTITION_SIZE, Layout, check_partition_size
 from .tables import check_table, lower_index_table, optimal_table, truncation_threshold
 
 BACKENDS = ("auto", "numpy", "cpu", "cuda")
+LAYOUTS_KEPT = 1024          # per codec: tensor lengths whose layouts are kept
+
+
+def _remember(layouts: dict, length: int, layout: Layout) -> Layout:
+    if len(layouts) >= LAYOUTS_KEPT:
+        layouts.clear()          # a job of ever-new lengths: start again rather than grow
+    layouts[length] = layout
+    return layout
 
 
 def _checked_buffer(buf, length: int, what: str):
@@ -77,12 +85,21 @@ class THCCodec:
         self.table_f32 = self.table.astype(np.float32)
         self.inv_width = (1.0 / np.diff(self.table).astype(np.float64)).astype(np.float32)
         self.sign_key = rng.rademacher_key(self.seed)
+        # A call of a small tensor costs mostly this wrapper's own work, not the kernels':
+        # its layouts, and the last max norms' constants (a call's quantize and decode use
+        # the same ones), are kept rather than made again.
+        self._layouts: dict[int, Layout] = {}
+        self._padded_layouts: dict[int, Layout] = {}
+        self._constants = None           # (key, (half, scale, step)) of the last max norms
 
     # ---- shapes ---------------------------------------------------------------------------
     def layout(self, d: int) -> Layout:
-        if d < 0:
-            raise ValueError(f"tensor length must be >= 0, got {d}")
-        return Layout(int(d), self.partition_size)
+        layout = self._layouts.get(d)
+        if layout is None:
+            if d < 0:
+                raise ValueError(f"tensor length must be >= 0, got {d}")
+            layout = _remember(self._layouts, d, Layout(int(d), self.partition_size))
+        return layout
 
     def padded_length(self, d: int) -> int:
         return self.layout(d).padded
@@ -91,10 +108,14 @@ class THCCodec:
         return self.layout(d).num_partitions
 
     def _padded_layout(self, padded: int, what: str) -> Layout:
-        layout = Layout.from_padded(padded, self.partition_size)
-        if layout.padded != padded:
-            raise ValueError(f"{what}: length {padded} is not a padded length for partition "
-                             f"size {self.partition_size} (use codec.padded_length(d))")
+        layout = self._padded_layouts.get(padded)
+        if layout is None:
+            layout = Layout.from_padded(padded, self.partition_size)
+            if layout.padded != padded:
+                raise ValueError(f"{what}: length {padded} is not a padded length for "
+                                 f"partition size {self.partition_size} (use "
+                                 "codec.padded_length(d))")
+            _remember(self._padded_layouts, padded, layout)
         return layout
 
     def check_workers(self, workers: int) -> None:
@@ -118,8 +139,19 @@ class THCCodec:
         return numpy_kernels
 
     def _partition_constants(self, max_norms, layout: Layout, what: str):
-        """Per-partition M = t_p * l / sqrt(n), grid scale g / 2M and decode step 2M / g."""
+        """Per-partition M = t_p * l / sqrt(n), grid scale g / 2M and decode step 2M / g.
+        The arrays returned are shared with the next call of the same norms and layout:
+        the kernels only read them."""
         norms = host_numpy(max_norms, np.float64).reshape(-1)
+        key = (layout.full_partitions, layout.tail_padded, norms.tobytes())
+        last = self._constants
+        if last is not None and last[0] == key:
+            return last[1]
+        constants = self._new_partition_constants(norms, layout, what)
+        self._constants = (key, constants)
+        return constants
+
+    def _new_partition_constants(self, norms, layout: Layout, what: str):
         if len(norms) != layout.num_partitions:
             raise ValueError(f"{what}: {len(norms)} max norms for {layout.num_partitions} "
                              f"partitions (one per partition, see codec.partition_norms)")

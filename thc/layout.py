@@ -9,6 +9,7 @@ of the padded tensor lies in partition i // partition_size.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -28,27 +29,30 @@ def check_partition_size(partition_size: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
+    """The partitions of d floats. Its derived lengths are computed once (cached_property
+    writes the instance's __dict__, which a frozen dataclass allows): the codec asks for
+    them several times per call, and a call of a small tensor is mostly such overhead."""
     d: int                 # unpadded length
     partition_size: int
 
-    @property
+    @cached_property
     def full_partitions(self) -> int:
         return self.d // self.partition_size
 
-    @property
+    @cached_property
     def tail(self) -> int:
         """Unpadded length of the last, short partition (0 if none)."""
         return self.d - self.full_partitions * self.partition_size
 
-    @property
+    @cached_property
     def tail_padded(self) -> int:
         return max(next_pow2(self.tail), 2) if self.tail else 0
 
-    @property
+    @cached_property
     def padded(self) -> int:
         return self.full_partitions * self.partition_size + self.tail_padded
 
-    @property
+    @cached_property
     def num_partitions(self) -> int:
         return self.full_partitions + (1 if self.tail else 0)
 

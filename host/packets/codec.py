@@ -14,8 +14,21 @@ from .constants import (HEADER_DTYPE, HEADER_LEN, TYPE_DATA, TYPE_RESULT, VERSIO
 MAX_NUM_VALUES = 0xFFFF        # the num_values field is 16 bits
 
 
-def _per_packet(value, n: int, name: str, dtype) -> np.ndarray:
-    """Broadcast a scalar or per-packet array to n entries, refusing a wrong length."""
+_FIELD_MAX = {np.dtype(t): np.iinfo(t).max for t in (np.uint8, np.uint16, np.uint32)}
+
+
+def _per_packet(value, n: int, name: str, dtype):
+    """A scalar (returned as an int: the header field takes it for every packet) or a
+    per-packet array of n entries, refusing a wrong length or a value the field cannot
+    hold."""
+    if isinstance(value, (int, np.integer)):
+        # Most fields are one number for the whole batch: checked without numpy, which
+        # costs more than the rest of a one-packet batch's encoding.
+        limit = _FIELD_MAX[np.dtype(dtype)]
+        if not 0 <= value <= limit:
+            raise ValueError(f"{name}: values must be integers in 0..{limit} "
+                             f"(the header field's width)")
+        return int(value)
     arr = np.asarray(value)
     if arr.ndim != 0 and arr.shape != (n,):
         raise ValueError(f"{name}: expected a scalar or {n} per-packet values, got shape {arr.shape}")
