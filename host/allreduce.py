@@ -346,9 +346,11 @@ class _AggregatorStream:
         self.reads_rotated = self.wants_values and not getattr(
             exchange.transport.policy, "marks_partitions", False)
 
-    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
+    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None,
+               send: bool = True) -> None:
         """Padded values [lo, hi) of the tensor; max_norms: the agreed L2 norms of their
-        RHT partitions (what a DLCP policy ranks, see host.dlcp.marking)."""
+        RHT partitions (what a DLCP policy ranks, see host.dlcp.marking). send=False: the
+        caller waits for sums next, and that wait sends them (one round less)."""
         packed_np = _to_numpy(packed)
         self.packed[lo] = packed_np
         policy = self.exchange.transport.policy
@@ -360,7 +362,7 @@ class _AggregatorStream:
                      "partition_sizes": layout.sizes()}
             rotated = None
         values = _to_numpy(rotated) if rotated is not None and self.wants_values else None
-        self.stream.submit(packed_np, hi - lo, values=values, **marks)
+        self.stream.submit(packed_np, hi - lo, values=values, send=send, **marks)
         vpp = self.exchange.transport.vpp
         self.first_tos.append(self.stream.packets.tos[lo // vpp: -(-hi // vpp)].copy())
 
@@ -466,8 +468,9 @@ class _GuardedStream:
     def n_chunks(self) -> int:
         return self.stream.n_chunks
 
-    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
-        self._guard(self.stream.submit, lo, hi, packed, rotated, max_norms)
+    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None,
+               send: bool = True) -> None:
+        self._guard(self.stream.submit, lo, hi, packed, rotated, max_norms, send)
 
     def pump(self) -> None:
         self._guard(self.stream.pump)
@@ -526,7 +529,8 @@ class _SumStream:
         self.exchange = exchange
         self.pending = {}                # lo -> (hi, lanes, work)
 
-    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None) -> None:
+    def submit(self, lo: int, hi: int, packed, rotated, max_norms=None,
+               send: bool = True) -> None:
         ex = self.exchange
         lanes = torch.as_tensor(ex.codec.lookup(packed)).to(ex.lane_dtype)
         if isinstance(packed, torch.Tensor):
@@ -959,14 +963,16 @@ class THCAllreduce:
             chunk.packed = self.codec.quantize(chunk.rotated, max_norms, worker=self.rank,
                                                round=rnd, tensor=key + k * CHUNK_KEY_STRIDE,
                                                error_out=chunk.error_out)
-            stream.submit(*chunk.padded, chunk.packed, chunk.rotated, max_norms)
+            # Bounded loss decodes a chunk early only once its sums are all in: a chunk
+            # back at any worker is never decoded as lost (_agree_end).
+            last = k + 1 == len(ranges) and not bounded
+            # The last chunk's sends wait for the wait for sums just below.
+            stream.submit(*chunk.padded, chunk.packed, chunk.rotated, max_norms,
+                          send=not last)
             chunk.rotated = None
             in_flight.append(chunk)
             if guarded or bounded:
                 sent.append(chunk)
-            # Bounded loss decodes a chunk early only once its sums are all in: a chunk
-            # back at any worker is never decoded as lost (_agree_end).
-            last = k + 1 == len(ranges) and not bounded
             while in_flight and (last or stream.ready(in_flight[0].padded[1])):
                 if not self._decode(stream, in_flight[0], key, mean):
                     break                         # the aggregator did not answer

@@ -902,11 +902,13 @@ class TensorStream:
         return self.ex.sums
 
     def submit(self, packed, num_values: int, *, values=None, partition_norms=None,
-               partition_sizes=None) -> None:
+               partition_sizes=None, send: bool = True) -> None:
         """The packed indices (two per byte) of values [submitted, submitted+num_values);
         values: their rotated floats, for the DSCP/ECN policy; partition_norms /
         partition_sizes: the RHT partitions these values make up (their agreed L2 norms and
-        padded sizes), for a policy that marks per partition (`marks_partitions`)."""
+        padded sizes), for a policy that marks per partition (`marks_partitions`).
+        send=False (foreground mode): not sent now, but by the next pump or wait (a caller
+        that waits next saves a round)."""
         self._check_open()
         t, ex, vpp = self.transport, self.ex, self.transport.vpp
         lo, hi = self.submitted, self.submitted + num_values
@@ -936,7 +938,7 @@ class TensorStream:
             self.last_progress = time.monotonic()      # new work counts as progress
         if self._thread is not None:
             os.write(self._wake_w, b"s")
-        else:
+        elif send:
             self.pump()
 
     def pump(self) -> None:
