@@ -965,10 +965,12 @@ class THCAllreduce:
                                                error_out=chunk.error_out)
             # Bounded loss decodes a chunk early only once its sums are all in: a chunk
             # back at any worker is never decoded as lost (_agree_end).
-            last = k + 1 == len(ranges) and not bounded
-            # The last chunk's sends wait for the wait for sums just below.
+            final = k + 1 == len(ranges)
+            last = final and not bounded
+            # The last chunk is sent by the wait that follows (for its sums just below, or
+            # settle's), not by a round of its own.
             stream.submit(*chunk.padded, chunk.packed, chunk.rotated, max_norms,
-                          send=not last)
+                          send=not final)
             chunk.rotated = None
             in_flight.append(chunk)
             if guarded or bounded:
