@@ -126,13 +126,10 @@ def warn_once() -> None:
 
 
 def _address(array: np.ndarray, dtype) -> int:
-    # Read from the array interface (strides None: C-contiguous), not array.ctypes and
-    # array.flags: those build an object per array, and a stream binds 18 per call.
-    face = array.__array_interface__
-    if array.dtype != dtype or (face["strides"] is not None and not array.flags.c_contiguous):
+    if array.dtype != dtype or not array.flags.c_contiguous:
         raise ValueError(f"native data path: an array of {array.dtype} (contiguous: "
                          f"{array.flags.c_contiguous}) where a contiguous {dtype} one belongs")
-    return face["data"][0]
+    return array.ctypes.data
 
 
 class NativeWindow:
