@@ -137,9 +137,29 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="job"):
         encode_data(np.zeros(4, np.uint8), 8, 4, job=-1, worker=0, tensor=0, slots=0,
                     rounds=0, expected=1)
+    # One number for every packet is checked against the field's width too.
+    with pytest.raises(ValueError, match="worker: values must be integers in 0..255"):
+        encode_data(np.zeros(4, np.uint8), 8, 4, job=0, worker=256, tensor=0, slots=0,
+                    rounds=0, expected=1)
+    with pytest.raises(ValueError, match="rounds: values must be integers in 0..4294967295"):
+        encode_data(np.zeros(4, np.uint8), 8, 4, job=0, worker=0, tensor=0, slots=0,
+                    rounds=np.int64(2**32), expected=1)
+    with pytest.raises(ValueError, match="slots: values must be integers in 0..65535"):
+        encode_data(np.zeros(4, np.uint8), 8, 4, job=0, worker=0, tensor=0, slots=1.5,
+                    rounds=0, expected=1)
     with pytest.raises(ValueError, match="values_per_packet"):
         encode_data(np.zeros(4, np.uint8), 8, 0, job=0, worker=0, tensor=0, slots=0,
                     rounds=0, expected=1)
+
+
+def test_numpy_scalars_encode_as_python_ints():
+    packed = np.arange(8, dtype=np.uint8)
+    fields = dict(job=513, worker=31, tensor=0xDEADBEEF, slots=7, rounds=2**32 - 1,
+                  expected=0b1011, min_count=2, flags=1, first_offset=4096)
+    want, _ = encode_data(packed, 16, 8, **fields)
+    got, _ = encode_data(packed, 16, 8, **{k: np.uint64(v) if k != "job" else np.int16(v)
+                                           for k, v in fields.items()})
+    np.testing.assert_array_equal(got, want)
 
 
 def test_empty_range_gives_no_packets():

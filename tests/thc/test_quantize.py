@@ -288,3 +288,27 @@ def test_decode_and_inverse_write_into_out(backend, rs):
     assert codec.decode(torch.from_numpy(sums), 1, norms, d, out=grad) is grad
     with pytest.raises(ValueError, match="contiguous float32 buffer of 600"):
         codec.decode(sums, 1, norms, d, out=np.empty(d, np.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kept_layouts_and_constants_follow_the_call(backend, rs):
+    """The codec keeps its layouts and the last max norms' constants between calls: a run
+    of calls through one codec must give what a fresh codec gives for each call, also
+    where only the norms change, or only the padded tail (same partition count)."""
+    shared = thc.THCCodec(partition_size=256, backend=backend)
+    norms_a = np.array([3.0, 2.0], np.float32)
+    calls = [(256 + 10, norms_a), (256 + 100, norms_a),            # tail 16, then 128
+             (256 + 100, norms_a * 2), (256 + 10, norms_a), (256 + 10, norms_a * 2)]
+    for d, norms in calls:
+        x = rs.standard_normal(d).astype(np.float32)
+        fresh = thc.THCCodec(partition_size=256, backend=backend)
+        rotated = fresh.rotate(x)
+        want = fresh.quantize(rotated, norms, worker=0, round=1, tensor=2)
+        got = shared.quantize(rotated, norms, worker=0, round=1, tensor=2)
+        np.testing.assert_array_equal(got, want)
+        sums = fresh.lookup(want).astype(np.int32) * 3
+        np.testing.assert_array_equal(shared.decode(sums, 3, norms, d),
+                                      fresh.decode(sums, 3, norms, d))
+    assert shared.padded_length(256 + 10) == 256 + 16
+    with pytest.raises(ValueError, match="tensor length must be >= 0"):
+        shared.layout(-1)
