@@ -191,7 +191,7 @@ def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
 def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers):
     """§5: every reply leaves with the ToS (DSCP and ECN) of the packet that caused it, so a
     CE mark on the completing contribution comes back on the RESULT; the earlier ones'
-    marks do not."""
+    marks do not. A plain packet after marked ones gets a plain RESULT (ToS 0)."""
     two = workers[:2]
     for s in two:
         s.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
@@ -199,10 +199,10 @@ def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers):
     idx = np.random.default_rng(4).integers(0, 16, (2, VPP))
     ect, ce = (33 << 2) | 2, (33 << 2) | 3
     with serve(config, "127.0.0.1", 0) as svc:
-        for first, last, tos_first, tos_last in ((0, 1, ect, ce), (1, 0, ce, ect)):
+        for rounds, (first, last, tos_first, tos_last) in enumerate(
+                ((0, 1, ect, ce), (1, 0, ce, ect), (0, 1, ce, 0))):
             two[first].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_first)
             two[last].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_last)
-            rounds = 0 if first == 0 else 1
             for w in (first, last):
                 bufs, lengths = encode_data(pack(idx[w]), VPP, VPP, job=1, worker=w, tensor=3,
                                             slots=np.arange(1), rounds=rounds,
