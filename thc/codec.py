@@ -23,13 +23,6 @@ BACKENDS = ("auto", "numpy", "cpu", "cuda")
 LAYOUTS_KEPT = 1024          # per codec: tensor lengths whose layouts are kept
 
 
-def _remember(layouts: dict, length: int, layout: Layout) -> Layout:
-    if len(layouts) >= LAYOUTS_KEPT:
-        layouts.clear()          # a job of ever-new lengths: start again rather than grow
-    layouts[length] = layout
-    return layout
-
-
 def _checked_buffer(buf, length: int, what: str):
     """An output/operand buffer must be a contiguous float32 vector of `length` elements,
     so that the kernels see (and write) its own memory."""
@@ -89,7 +82,6 @@ class THCCodec:
         # its layouts, and the last max norms' constants (a call's quantize and decode use
         # the same ones), are kept rather than made again.
         self._layouts: dict[int, Layout] = {}
-        self._padded_layouts: dict[int, Layout] = {}
         self._constants = None           # (key, (half, scale, step)) of the last max norms
 
     # ---- shapes ---------------------------------------------------------------------------
@@ -98,7 +90,9 @@ class THCCodec:
         if layout is None:
             if d < 0:
                 raise ValueError(f"tensor length must be >= 0, got {d}")
-            layout = _remember(self._layouts, d, Layout(int(d), self.partition_size))
+            if len(self._layouts) >= LAYOUTS_KEPT:
+                self._layouts.clear()    # a job of ever-new lengths: start again, not grow
+            layout = self._layouts[d] = Layout(int(d), self.partition_size)
         return layout
 
     def padded_length(self, d: int) -> int:
@@ -108,14 +102,11 @@ class THCCodec:
         return self.layout(d).num_partitions
 
     def _padded_layout(self, padded: int, what: str) -> Layout:
-        layout = self._padded_layouts.get(padded)
-        if layout is None:
-            layout = Layout.from_padded(padded, self.partition_size)
-            if layout.padded != padded:
-                raise ValueError(f"{what}: length {padded} is not a padded length for "
-                                 f"partition size {self.partition_size} (use "
-                                 "codec.padded_length(d))")
-            _remember(self._padded_layouts, padded, layout)
+        # Layout.from_padded is the layout of d = padded: the same kept one.
+        layout = self.layout(padded)
+        if layout.padded != padded:
+            raise ValueError(f"{what}: length {padded} is not a padded length for partition "
+                             f"size {self.partition_size} (use codec.padded_length(d))")
         return layout
 
     def check_workers(self, workers: int) -> None:

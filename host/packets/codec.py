@@ -21,23 +21,24 @@ def _per_packet(value, n: int, name: str, dtype):
     """A scalar (returned as an int: the header field takes it for every packet) or a
     per-packet array of n entries, refusing a wrong length or a value the field cannot
     hold."""
+    limit = _FIELD_MAX[np.dtype(dtype)]
     if isinstance(value, (int, np.integer)):
         # Most fields are one number for the whole batch: checked without numpy, which
         # costs more than the rest of a one-packet batch's encoding.
-        limit = _FIELD_MAX[np.dtype(dtype)]
         if not 0 <= value <= limit:
-            raise ValueError(f"{name}: values must be integers in 0..{limit} "
-                             f"(the header field's width)")
+            raise _outside_field(name, limit)
         return int(value)
     arr = np.asarray(value)
     if arr.ndim != 0 and arr.shape != (n,):
         raise ValueError(f"{name}: expected a scalar or {n} per-packet values, got shape {arr.shape}")
-    if arr.size:
-        limit = np.iinfo(dtype).max
-        if arr.dtype.kind not in "iub" or int(arr.min()) < 0 or int(arr.max()) > limit:
-            raise ValueError(f"{name}: values must be integers in 0..{limit} "
-                             f"(the header field's width)")
+    if arr.size and (arr.dtype.kind not in "iub" or int(arr.min()) < 0
+                     or int(arr.max()) > limit):
+        raise _outside_field(name, limit)
     return np.full(n, arr, dtype=dtype) if arr.ndim == 0 else arr.astype(dtype, copy=False)
+
+
+def _outside_field(name: str, limit: int) -> ValueError:
+    return ValueError(f"{name}: values must be integers in 0..{limit} (the header field's width)")
 
 
 def _split(num_values: int, values_per_packet: int) -> tuple[int, np.ndarray]:
