@@ -24,6 +24,12 @@ Python API for tests and the main job:
         ... send to svc.address ...
         print(svc.counters())
 
+`serve(..., core=True)` serves the same way with the switch core in C
+(dataplane/dpdk/udp_service.c, built by `make build`: the DPDK switch's agg_core.c behind
+the socket, no DPDK or root needed). The packet suite holds that core to the reference, and
+tests/packet/test_udp_service.py runs its cases on both; it costs a tenth of the CPU per
+datagram, which the loopback main job is short of.
+
 One thread owns the socket and every slot (the state machine is sequential by nature);
 its loop is one `recvmsg_into` into a preallocated buffer per datagram (with the datagram's
 ToS, which the replies it causes carry, docs/protocol.md §5), numpy on the values.
@@ -34,14 +40,19 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import re
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 from dataplane.config import MAX_VALUES, ConfigError, SwitchConfig
+from dataplane.dpdk_config import write_config
 from dataplane.reference import ReferenceSwitch
 from dataplane.wire import AGG_PORT_BASE, L2L4_LEN, MAX_FRAME
 
@@ -53,6 +64,7 @@ RECV_BUFFER = 1 << 16
 MAX_DATAGRAM = MAX_FRAME - L2L4_LEN
 SOCKET_BUFFER = 8 << 20        # kernel buffers: absorb bursts of a whole tensor
 IP_RECVTOS = getattr(socket, "IP_RECVTOS", 13)
+CORE_SERVICE_BIN = Path(__file__).resolve().parent / "dpdk" / "build" / "thc_udp_service"
 TOS_INT = struct.Struct("@i")  # IP_TOS as a control message: an int
 
 
@@ -220,18 +232,102 @@ def _serve_process(config, host, port) -> ServiceHandle:
     return ServiceHandle(value, lambda: ask("counters"), stop)
 
 
+def core_unavailable() -> str | None:
+    """Why serve(..., core=True) cannot run here (None when it can)."""
+    if not CORE_SERVICE_BIN.exists():
+        return "dataplane/dpdk/build/thc_udp_service is not built: run make build"
+    return None
+
+
+class _CoreProcess:
+    """thc_udp_service in a child process: its config and statistics files in a temporary
+    directory, its output in a log there; statistics on SIGUSR1 (a "seq" that counts up),
+    the final ones on SIGTERM."""
+
+    def __init__(self, config: SwitchConfig, host: str, port: int, start_timeout: float):
+        reason = core_unavailable()
+        if reason:
+            raise RuntimeError(f"the switch core's UDP service: {reason}")
+        self._tmp = tempfile.TemporaryDirectory(prefix="thc_udp_core_")
+        work = Path(self._tmp.name)
+        self.stats_path, self.log_path = work / "stats.json", work / "service.log"
+        try:
+            conf = write_config(service_config(config), work / "service.conf")
+        except ConfigError:
+            self._tmp.cleanup()
+            raise
+        with open(self.log_path, "w") as log:        # never a pipe it could block on
+            self.proc = subprocess.Popen(
+                [str(CORE_SERVICE_BIN), "--config", str(conf), "--bind", f"{host}:{port}",
+                 "--stats", str(self.stats_path)], stdout=log, stderr=subprocess.STDOUT)
+        self.address = self._wait_serving(start_timeout)
+
+    def _wait_serving(self, timeout: float) -> tuple[str, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(r"serving ([0-9.]+):(\d+)", self.log_path.read_text())
+            if found:
+                return found.group(1), int(found.group(2))
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"thc_udp_service did not start: {self.log_path.read_text().strip()}")
+
+    def _seq(self) -> int:
+        try:
+            return json.loads(self.stats_path.read_text())["seq"]
+        except FileNotFoundError:
+            return 0
+
+    def counters(self, timeout: float = 10.0) -> dict:
+        before = self._seq()
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._seq() > before:                  # written whole: write-then-rename
+                return self._read()
+            time.sleep(0.002)
+        raise RuntimeError("thc_udp_service wrote no statistics after SIGUSR1")
+
+    def _read(self) -> dict:
+        stats = json.loads(self.stats_path.read_text())
+        stats.pop("seq", None)
+        return _int_keys(stats)
+
+    def stop(self) -> dict | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        final = self._read() if self.stats_path.exists() else None
+        self._tmp.cleanup()
+        return final
+
+
+def _serve_core(config, host, port) -> ServiceHandle:
+    core = _CoreProcess(config, host, port, start_timeout=10.0)
+    return ServiceHandle(core.address, core.counters, core.stop)
+
+
 def _int_keys(counters: dict) -> dict:
     counters["jobs"] = {int(k): v for k, v in counters["jobs"].items()}
     return counters
 
 
 def serve(config: SwitchConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
-          process: bool = False) -> ServiceHandle:
-    """Start the UDP aggregator in a background thread (or a child process).
+          process: bool = False, core: bool = False) -> ServiceHandle:
+    """Start the UDP aggregator in a background thread (or a child process), or with
+    core=True the switch core's service in C (always its own process).
 
     Port 0 picks a free port (see `.address`). Bad configuration raises ConfigError here,
     before anything is served.
     """
+    if core:
+        return _serve_core(config, host, port)
     return _serve_process(config, host, port) if process else _serve_thread(config, host, port)
 
 

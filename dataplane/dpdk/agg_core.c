@@ -59,13 +59,6 @@ static inline int round_newer(uint32_t a, uint32_t b)
 	return d != 0 && (d >> 31) == 0;
 }
 
-/* Offsets inside the AGG header (docs/protocol.md §2). */
-enum {
-	H_VER_TYPE = 0, H_FLAGS = 1, H_JOB = 2, H_SLOT = 4, H_WORKER = 6,
-	H_MIN_COUNT = 7, H_ROUND = 8, H_EXPECTED = 12, H_CONTRIB = 16,
-	H_TENSOR = 20, H_OFFSET = 24, H_NUM_VALUES = 28, H_COUNT = 30, H_RESERVED = 31,
-};
-
 /* ---- lane kernels ------------------------------------------------------- */
 
 /* A slot keeps its sums split by nibble (agg_core.h, struct agg_copy): packed

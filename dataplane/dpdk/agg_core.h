@@ -42,6 +42,13 @@
 /* MAX_FRAME of docs/protocol.md §4.1: a longer frame is dropped first (drop_oversize). */
 #define AGG_MAX_WIRE_FRAME 9216u
 
+/* Offsets inside the AGG header (docs/protocol.md §2). */
+enum {
+	H_VER_TYPE = 0, H_FLAGS = 1, H_JOB = 2, H_SLOT = 4, H_WORKER = 6,
+	H_MIN_COUNT = 7, H_ROUND = 8, H_EXPECTED = 12, H_CONTRIB = 16,
+	H_TENSOR = 20, H_OFFSET = 24, H_NUM_VALUES = 28, H_COUNT = 30, H_RESERVED = 31,
+};
+
 /* Per-job counters, docs/protocol.md §4.5 (names match the JSON keys). */
 #define AGG_JOB_COUNTERS(X) \
 	X(rx) X(aggregated) X(results_multicast) X(results_reserved) \

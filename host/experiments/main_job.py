@@ -20,8 +20,10 @@ run uses a DDP model with one communication scheme (--runs, in order, same seed)
                  fp32 allreduce for the first --powersgd-start-iter steps), each bucket's
                  collectives after the previous bucket's (bucket_ordered_powersgd_hook);
   none           DDP's own fp32 allreduce.
-With --aggregator reference the embedded reference aggregator
-(dataplane.udp_service) serves the job on loopback; with --aggregator dpdk the DPDK switch
+With --aggregator core (the default once `make build` has built it) the switch core in C
+serves the job over UDP on loopback (dataplane.udp_service.serve(core=True): the DPDK
+switch's aggregation code without DPDK); with --aggregator reference the Python reference
+aggregator (dataplane.udp_service) does; with --aggregator dpdk the DPDK switch
 (make build; root) serves it behind a veth pair (dataplane.dpdk_runner.HostService, jumbo
 frames; its
 final counters go to OUT_DIR/main_job_dpdk_stats.json); HOST:PORT uses an aggregator that is
@@ -77,7 +79,7 @@ import thc
 from dataplane.config import MAX_VALUES, Job, Member, SwitchConfig
 from dataplane.dpdk_runner import HostService, SwitchError, cannot_run
 from dataplane.ports import free_port
-from dataplane.udp_service import serve
+from dataplane.udp_service import core_unavailable, serve
 from dataplane.wire import AGG_PORT_BASE
 from host.ddp_hook import INNETWORK_PARTITION_SIZE, thc_hook, thc_hook_state
 from host.experiments.bench_allreduce import link_mtu
@@ -294,8 +296,10 @@ def parse_args(argv=None):
                          "thc-allreduce: THC over gloo all_reduce(SUM); bf16/fp16: torch's "
                          "compress hooks; powersgd: torch's PowerSGD hook; none: plain fp32 "
                          "only (no baselines)")
-    ap.add_argument("--aggregator", default="reference",
-                    help="reference (embedded, loopback) | dpdk | HOST:PORT (running already)")
+    ap.add_argument("--aggregator",
+                    help="core (the switch core in C over UDP on loopback; the default where "
+                         "make build has built it) | reference (the Python reference over "
+                         "UDP; the default elsewhere) | dpdk | HOST:PORT (running already)")
     ap.add_argument("--no-baseline", action="store_true",
                     help="skip the baseline runs (bf16 hook, fp32) after --compressor")
     ap.add_argument("--powersgd-rank", type=int, default=4,
@@ -356,7 +360,15 @@ def parse_args(argv=None):
     if args.loss_bound and not thc_in_network:
         ap.error("--loss-bound applies to the in-network path: use it with a thc run "
                  "(--compressor thc, or thc in --runs)")
-    external = args.aggregator not in ("reference", "dpdk")
+    if args.aggregator is None:          # shaped links serve the reference on their bridge
+        args.aggregator = "core" if not args.link_mbit and core_unavailable() is None \
+            else "reference"
+    elif args.aggregator == "core" and args.link_mbit:
+        ap.error("--aggregator core serves on loopback: with --link-mbit use --aggregator "
+                 "reference (on the links' bridge) or dpdk (on the links)")
+    elif args.aggregator == "core" and core_unavailable():
+        ap.error(f"--aggregator core: {core_unavailable()}; or use --aggregator reference")
+    external = args.aggregator not in ("reference", "core", "dpdk")
     args.values_per_packet = _values_per_packet(ap, args, external)
     if external and thc_in_network and not args.worker_port_base:
         ap.error(f"--aggregator {args.aggregator}: give --worker-port-base so the aggregator's "
@@ -427,11 +439,11 @@ def _job_description(args, members):
 
 def start_aggregator(args):
     """(address, member addresses, stop()) for the chosen aggregator."""
-    if args.aggregator == "reference":
+    if args.aggregator in ("reference", "core"):
         members = _member_addresses(args, "127.0.0.1")
         config = _job_description(args, members)
         # Its own process: the aggregator loop does not share a GIL with anything.
-        service = serve(config, "127.0.0.1", 0, process=True)
+        service = serve(config, "127.0.0.1", 0, process=True, core=args.aggregator == "core")
         return service.address, members, service.stop
     if args.aggregator == "dpdk":
         return start_dpdk_switch(args)
@@ -576,8 +588,13 @@ def run_names(args) -> dict[str, str]:
 def report(args, runs, outs):
     names = run_names(args)
     summary = {}
+    served = {"core": ", THC served by the switch core in C (thc_udp_service)",
+              "reference": ", THC served by the Python reference",
+              "dpdk": ", THC served by the DPDK switch"}
     print(f"\n{args.workers} workers, {args.steps} steps, MLP with "
-          f"{outs[0][runs[0]]['params']} parameters")
+          f"{outs[0][runs[0]]['params']} parameters"
+          + (served.get(args.aggregator, f", THC served at {args.aggregator}")
+             if "thc" in runs else ""))
     print(f"{'run':<18}{'test acc':>10}{'train loss':>12}{'KB sent/step':>14}{'ms/step':>10}")
     for run in runs:
         r0 = outs[0][run]

@@ -1,5 +1,5 @@
-"""The main job end to end: real worker processes, the embedded reference aggregator or
-the DPDK switch."""
+"""The main job end to end: real worker processes, the switch core's UDP service, the
+embedded reference aggregator or the DPDK switch."""
 import json
 import signal
 import subprocess
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dataplane import dpdk_runner
+from dataplane.udp_service import core_unavailable
 from host.experiments import main_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,8 @@ def test_main_job_trains_thc_next_to_bf16_and_fp32(tmp_path):
     summary = out["runs"]
     assert list(summary) == ["thc", "bf16", "none"]        # the default runs, in order
     assert out["values_per_packet"] == 8192                 # loopback takes jumbo datagrams
+    # the switch core in C serves by default where make build built it
+    assert out["aggregator"] == ("reference" if core_unavailable() else "core")
     assert summary["thc"]["test_acc"] > 0.8               # it learned the digits
     assert abs(summary["thc"]["test_acc"] - summary["none"]["test_acc"]) < 0.1
     # 4-bit values up vs fp32 ring allreduce: far fewer bytes leave each worker.
@@ -41,6 +44,18 @@ def test_main_job_trains_thc_next_to_bf16_and_fp32(tmp_path):
     assert (tmp_path / "main_job.png").stat().st_size > 10_000
     assert "THC in-network" in res.stdout and "fp32 allreduce" in res.stdout
     assert "bf16 hook" in res.stdout
+
+
+def test_main_job_through_the_python_reference(tmp_path):
+    """--aggregator reference: the Python reference serves the same job, to the same
+    accuracy as the default run above reaches."""
+    res = run_main_job("--workers", "2", "--steps", "30", "--hidden", "64", "--eval-every", "10",
+                       "--runs", "thc", "--aggregator", "reference", "--out-dir", str(tmp_path))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "main_job.json").read_text())
+    assert out["aggregator"] == "reference" and "served by the Python reference" in res.stdout
+    assert out["runs"]["thc"]["test_acc"] > 0.8
+    assert out["runs"]["thc"]["transport"]["results_accepted"] > 0
 
 
 def test_main_job_runs_torchs_hooks_past_powersgds_start(tmp_path):
@@ -84,6 +99,7 @@ def test_main_job_runs_torchs_hooks_past_powersgds_start(tmp_path):
     (["--runs", "thc,none", "--compressor", "bf16"], "leave out --compressor"),
     (["--runs", "powersgd", "--powersgd-start-iter", "1"], "step 2 or later"),
     (["--values-per-packet", "9000"], "1..8192"),
+    (["--aggregator", "core", "--link-mbit", "1000"], "serves on loopback"),
 ])
 def test_main_job_refuses_bad_options(argv, message, capsys):
     """The command line's checks (in this process: each refusal is parse_args's)."""

@@ -1,4 +1,6 @@
-"""The reference aggregator over real UDP sockets on loopback (dataplane/udp_service.py)."""
+"""The aggregator service over real UDP sockets on loopback (dataplane/udp_service.py): the
+reference in a thread or a child process, and the switch core in C (thc_udp_service), each
+held to the same cases."""
 import dataclasses
 import json
 import os
@@ -12,7 +14,8 @@ import numpy as np
 import pytest
 
 from dataplane.config import ConfigError, Dlcp, Job, Member, SwitchConfig, default_thresholds
-from dataplane.udp_service import serve
+from dataplane.dpdk_config import write_config
+from dataplane.udp_service import CORE_SERVICE_BIN, core_unavailable, serve
 from host.packets import (FLAG_RESERVE, FLAG_RETX, TYPE_RESULT, decode_headers, encode_data,
                           scatter_payloads)
 from .scenario import TABLE, pack, sums_of
@@ -50,6 +53,16 @@ def receive(sock, count):
     return [sock.recv(2048) for _ in range(count)]
 
 
+KINDS = ["thread", "process", pytest.param(
+    "core", marks=pytest.mark.skipif(core_unavailable() is not None,
+                                     reason=f"the switch core's service: {core_unavailable()}"))]
+
+
+def start(config, kind):
+    """The service of this kind: the reference in a thread or a process, or the C core."""
+    return serve(config, "127.0.0.1", 0, process=kind == "process", core=kind == "core")
+
+
 @pytest.fixture
 def workers():
     socks = worker_sockets(3)
@@ -58,11 +71,14 @@ def workers():
         s.close()
 
 
-@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
-def test_a_tensor_aggregates_over_udp(workers, process):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tensor_aggregates_over_udp(workers, kind):
+    """A tensor of 59 packets per worker, sent back to back: the C core takes them in
+    bursts and sends the results of a burst together (every one of them arrives)."""
     config = loopback_config(workers)
-    idx = np.random.default_rng(0).integers(0, 16, (3, 1000))
-    with serve(config, "127.0.0.1", 0, process=process) as svc:
+    n = 15000
+    idx = np.random.default_rng(0).integers(0, 16, (3, n))
+    with start(config, kind) as svc:
         n_pkts = 0
         for w, s in enumerate(workers):
             n_pkts = send_tensor(s, svc.address, idx[w], w, expected=0b111)
@@ -71,7 +87,7 @@ def test_a_tensor_aggregates_over_udp(workers, process):
             hdr = decode_headers(datagrams)
             assert (hdr["ver_type"] & 0xF == TYPE_RESULT).all()
             assert (hdr["contributors"] == 0b111).all() and (hdr["count"] == 3).all()
-            out = np.zeros(1000, dtype=np.uint8)
+            out = np.zeros(n, dtype=np.uint8)
             scatter_payloads(datagrams, None, hdr, out)
             np.testing.assert_array_equal(out, sums_of(idx))
         assert svc.counters()["jobs"][1]["aggregated"] == 3 * n_pkts
@@ -82,10 +98,11 @@ def test_a_tensor_aggregates_over_udp(workers, process):
     assert c["service"]["tx_datagrams"] == 3 * n_pkts
 
 
-def test_reserve_strangers_and_garbage(workers):
+@pytest.mark.parametrize("kind", KINDS)
+def test_reserve_strangers_and_garbage(workers, kind):
     config = loopback_config(workers[:2])
     idx = np.random.default_rng(1).integers(0, 16, (2, 100))
-    with serve(config, "127.0.0.1", 0) as svc:
+    with start(config, kind) as svc:
         for w in (0, 1):
             send_tensor(workers[w], svc.address, idx[w], w, expected=0b11)
         for s in workers[:2]:
@@ -107,14 +124,15 @@ def test_reserve_strangers_and_garbage(workers):
     assert c["global"]["drop_truncated"] == 1 and c["global"]["drop_bad_version"] == 1
 
 
-def test_a_datagram_whose_frame_exceeds_9216_bytes_is_drop_oversize(workers):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_datagram_whose_frame_exceeds_9216_bytes_is_drop_oversize(workers, kind):
     """docs/protocol.md §10: the service counts a datagram drop_oversize when its frame
     (42 bytes more) would exceed MAX_FRAME, as a switch would; a datagram of the largest
     allowed size is judged by the other rules (here: bad length) and a valid round still
     completes."""
     config = loopback_config(workers[:2])
     idx = np.random.default_rng(2).integers(0, 16, (2, 100))
-    with serve(config, "127.0.0.1", 0) as svc:
+    with start(config, kind) as svc:
         bufs, lengths = encode_data(pack(idx[0]), 100, VPP, job=1, worker=0, tensor=3,
                                     slots=np.arange(1), rounds=0, expected=0b11)
         datagram = bufs[0][:lengths[0]].tobytes()
@@ -130,12 +148,12 @@ def test_a_datagram_whose_frame_exceeds_9216_bytes_is_drop_oversize(workers):
     assert c["jobs"][1]["aggregated"] == 2 and c["jobs"][1]["rx"] == 2
 
 
-@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
-def test_members_sharing_an_address_are_refused(process):
+@pytest.mark.parametrize("kind", KINDS)
+def test_members_sharing_an_address_are_refused(kind):
     m = Member(0, 0, "02:00:00:00:00:01", "127.0.0.1", 41000)
     config = SwitchConfig(jobs=(Job(1, 4, TABLE, (m, Member(1, 0, m.mac, m.ip, m.udp_port))),))
     with pytest.raises(ConfigError, match="workers 0 and 1 share the address 127.0.0.1:41000"):
-        serve(config, "127.0.0.1", 0, process=process)
+        start(config, kind)
 
 
 @pytest.mark.parametrize("change, words", [
@@ -143,7 +161,8 @@ def test_members_sharing_an_address_are_refused(process):
     (dict(dlcp=Dlcp(capacity=(1 << 20) + 1)), "capacity 1048577"),
     (dict(values_per_packet=8193), "the UDP service's limit of 8192 values per packet"),
 ], ids=["threshold -1", "capacity 2^20 + 1", "values_per_packet 8193"])
-def test_the_service_refuses_what_every_plane_refuses(workers, change, words):
+@pytest.mark.parametrize("kind", ["thread", KINDS[2]])
+def test_the_service_refuses_what_every_plane_refuses(workers, change, words, kind):
     config = loopback_config(workers[:2])
     if "values_per_packet" in change:
         config = dataclasses.replace(config, jobs=(dataclasses.replace(
@@ -151,7 +170,7 @@ def test_the_service_refuses_what_every_plane_refuses(workers, change, words):
     else:
         config = dataclasses.replace(config, **change)
     with pytest.raises(ConfigError, match=words):
-        serve(config, "127.0.0.1", 0)
+        start(config, kind)
 
 
 def test_cli_serves_and_reports_counters(workers, tmp_path):
@@ -178,6 +197,24 @@ def test_cli_serves_and_reports_counters(workers, tmp_path):
     assert c["jobs"]["1"]["results_multicast"] == 1
 
 
+@pytest.mark.skipif(core_unavailable() is not None,
+                    reason=f"the switch core's service: {core_unavailable()}")
+def test_the_core_service_refuses_a_bad_address_or_port_with_a_message(workers, tmp_path):
+    """thc_udp_service run by hand: an address it cannot bind, or a member on a switch port
+    other than 0 (the kernel owns the ports), ends it at once with what to change."""
+    config = loopback_config(workers[:2])
+    good = write_config(config, tmp_path / "good.conf")
+    job = config.jobs[0]
+    moved = dataclasses.replace(job, members=(job.members[0],
+                                              dataclasses.replace(job.members[1], port=3)))
+    bad = write_config(dataclasses.replace(config, jobs=(moved,)), tmp_path / "bad.conf")
+    for conf, bind, words in ((good, "nohost:0", "give an IPv4 address"),
+                              (bad, "127.0.0.1:0", "worker 1 is on switch port 3")):
+        result = subprocess.run([str(CORE_SERVICE_BIN), "--config", str(conf), "--bind", bind],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 1 and words in result.stderr, result.stderr
+
+
 def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"jobs": [{"job": 1, "pool_size": 4, "table": [0, 1],
@@ -188,7 +225,8 @@ def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
     assert "table needs 16 entries" in result.stderr
 
 
-def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers):
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers, kind):
     """§5: every reply leaves with the ToS (DSCP and ECN) of the packet that caused it, so a
     CE mark on the completing contribution comes back on the RESULT; the earlier ones'
     marks do not. A plain packet after marked ones gets a plain RESULT (ToS 0)."""
@@ -198,7 +236,7 @@ def test_a_result_carries_the_tos_of_the_packet_that_completed_it(workers):
     config = loopback_config(two)
     idx = np.random.default_rng(4).integers(0, 16, (2, VPP))
     ect, ce = (33 << 2) | 2, (33 << 2) | 3
-    with serve(config, "127.0.0.1", 0) as svc:
+    with start(config, kind) as svc:
         for rounds, (first, last, tos_first, tos_last) in enumerate(
                 ((0, 1, ect, ce), (1, 0, ce, ect), (0, 1, ce, 0))):
             two[first].setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos_first)
