@@ -1,4 +1,5 @@
-"""Benchmark: the reference aggregator as a UDP service, next to a plain UDP sink.
+"""Benchmark: the aggregator as a UDP service (the Python reference, and the switch core in
+C where `make build` built it), next to a plain UDP sink.
 
     python -m host.experiments.bench_udp [--workers 4] [--packets 20000] [--values-per-packet 256]
                                   [--repeats 3] [--json results.json] [--plot bench.png]
@@ -28,12 +29,15 @@ import numpy as np
 from tqdm import tqdm
 
 from dataplane.config import Job, Member, SwitchConfig
-from dataplane.udp_service import RECV_BUFFER, SOCKET_BUFFER, serve
+from dataplane.udp_service import RECV_BUFFER, SOCKET_BUFFER, core_unavailable, serve
 from host.packets import encode_data
 
 TABLE = (0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 24, 27, 30)
 POLL_S = 0.02
 QUIET_S = 0.5                      # receiver idle this long after the senders finish: done
+# The services measured: "service" is the Python reference, "core" the switch core in C.
+SERVICES = ("service",) + (("core",) if core_unavailable() is None else ())
+LABELS = {"service": "reference aggregator", "core": "switch core (C)"}
 
 
 def _sender(sock: socket.socket, worker: int, n_workers: int, n_packets: int, vpp: int,
@@ -160,30 +164,38 @@ def run(workers: int = 4, packets: int = 20000, vpp: int = 256, repeats: int = 3
             bound = _run_phase(sink.address, sink.received, socks, packets, vpp)
         finally:
             sink.stop()
-        svc = serve(config, host, 0, process=True)
-        try:
-            agg = _run_phase(svc.address,
-                             lambda: svc.counters()["service"]["rx_datagrams"],
-                             socks, packets, vpp)
-            jc = svc.counters()["jobs"][1]
-        finally:
-            svc.stop()
-        agg["aggregated"] = jc["aggregated"]
-        agg["results_multicast"] = jc["results_multicast"]
-        rows.append({"sink": bound, "service": agg})
+        row = {"sink": bound}
+        for name in SERVICES:
+            row[name] = _service_phase(config, host, socks, packets, vpp, core=name == "core")
+        rows.append(row)
     for s in socks:
         s.close()
     sink_rate = statistics.median(r["sink"]["datagrams_per_s"] for r in rows)
-    svc_rate = statistics.median(r["service"]["datagrams_per_s"] for r in rows)
+    median = {"sink_datagrams_per_s": sink_rate}
+    for name in SERVICES:
+        rate = statistics.median(r[name]["datagrams_per_s"] for r in rows)
+        median.update({f"{name}_datagrams_per_s": rate, f"{name}_values_per_s": rate * vpp,
+                       f"{name}_over_sink": rate / sink_rate})
     return {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
                    f"python {platform.python_version()}",
         "workers": workers, "packets_per_worker": packets, "values_per_packet": vpp,
-        "repeats": rows,
-        "median": {"sink_datagrams_per_s": sink_rate, "service_datagrams_per_s": svc_rate,
-                   "service_values_per_s": svc_rate * vpp,
-                   "service_over_sink": svc_rate / sink_rate},
+        "services": list(SERVICES), "repeats": rows, "median": median,
     }
+
+
+def _service_phase(config, host, socks, packets, vpp, core: bool) -> dict:
+    """One service's phase: its rate, and what it aggregated and sent."""
+    svc = serve(config, host, 0, process=True, core=core)
+    try:
+        agg = _run_phase(svc.address, lambda: svc.counters()["service"]["rx_datagrams"],
+                         socks, packets, vpp)
+        jc = svc.counters()["jobs"][1]
+    finally:
+        svc.stop()
+    agg["aggregated"] = jc["aggregated"]
+    agg["results_multicast"] = jc["results_multicast"]
+    return agg
 
 
 def _table(result: dict) -> str:
@@ -194,14 +206,16 @@ def _table(result: dict) -> str:
              f"(median of {len(result['repeats'])})",
              f"{'receiver':<28}{'datagrams/s':>14}{'values/s':>14}{'vs sink':>9}",
              f"{'plain UDP sink (bound)':<28}{m['sink_datagrams_per_s']:>14,.0f}"
-             f"{m['sink_datagrams_per_s'] * vpp:>14,.0f}{1:>9.2f}",
-             f"{'reference aggregator':<28}{m['service_datagrams_per_s']:>14,.0f}"
-             f"{m['service_values_per_s']:>14,.0f}{m['service_over_sink']:>9.2f}"]
+             f"{m['sink_datagrams_per_s'] * vpp:>14,.0f}{1:>9.2f}"]
+    for name in result["services"]:
+        lines.append(f"{LABELS[name]:<28}{m[f'{name}_datagrams_per_s']:>14,.0f}"
+                     f"{m[f'{name}_values_per_s']:>14,.0f}{m[f'{name}_over_sink']:>9.2f}")
     for i, r in enumerate(result["repeats"]):
-        s = r["service"]
-        lines.append(f"  run {i}: sink {r['sink']['datagrams']} in {r['sink']['seconds']:.2f}s, "
-                     f"service {s['datagrams']} in {s['seconds']:.2f}s "
-                     f"(aggregated {s['aggregated']}, results {s['results_multicast']})")
+        lines.append(f"  run {i}: sink {r['sink']['datagrams']} in {r['sink']['seconds']:.2f}s"
+                     + "".join(f", {name} {r[name]['datagrams']} in {r[name]['seconds']:.2f}s "
+                               f"(aggregated {r[name]['aggregated']}, results "
+                               f"{r[name]['results_multicast']})"
+                               for name in result["services"]))
     return "\n".join(lines)
 
 
@@ -211,9 +225,10 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     m = result["median"]
     fig, ax = plt.subplots(figsize=(5, 3))
-    names = ["plain UDP sink\n(bound)", "reference\naggregator"]
-    rates = [m["sink_datagrams_per_s"], m["service_datagrams_per_s"]]
-    ax.bar(names, rates, color=["#999999", "#1f77b4"])
+    names = ["plain UDP sink\n(bound)"] + [LABELS[n].replace(" ", "\n", 1)
+                                            for n in result["services"]]
+    rates = [m["sink_datagrams_per_s"]] + [m[f"{n}_datagrams_per_s"] for n in result["services"]]
+    ax.bar(names, rates, color=["#999999", "#1f77b4", "#ff7f0e"][:len(names)])
     ax.set_ylabel("datagrams/s (median)")
     ax.set_title(f"{result['workers']} senders, {result['values_per_packet']} values/packet")
     fig.tight_layout()

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from dataplane.udp_service import core_unavailable
 from host.experiments import bench_udp
 
 
@@ -16,7 +17,13 @@ def test_bench_udp_measures_service_and_sink(tmp_path, capsys):
     service = result["repeats"][0]["service"]
     assert 0 < service["aggregated"] <= service["datagrams"] <= 2 * 5000
     assert out_png.stat().st_size > 1000
-    assert "reference aggregator" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "reference aggregator" in out
+    if core_unavailable() is None:          # the switch core in C, measured in the same run
+        core = result["repeats"][0]["core"]
+        assert result["services"] == ["service", "core"] and median["core_datagrams_per_s"] > 0
+        assert 0 < core["aggregated"] <= core["datagrams"] <= 2 * 5000
+        assert "switch core (C)" in out
 
 
 def test_measure_refuses_a_run_that_ends_within_one_poll():
