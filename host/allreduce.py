@@ -589,8 +589,12 @@ class THCAllreduce:
     asks the others in their next control exchange (or in close(), which every worker
     calls), the first collective each of them makes after the call (_rescue_exchange).
     Until then `on_collective` of the workers that got their sums still says where that
-    call went. defer_end_agreement = False puts the agreement back at the end of every
-    call (host.fsdp does: its own max-norm exchange shares the group). Every
+    call went. A collective on another group between two calls would wait for the worker
+    that lacks sums while it waits for the others: DDP's bucket rebuild after its first
+    step is one, so the DDP hook ends a process's first DDP step with the agreement
+    (submit's agree_at_end); a training loop with collectives of its own between THC
+    calls sets defer_end_agreement = False, which puts the agreement back at the end of
+    every call (host.fsdp does: its own max-norm exchange shares the group). Every
     probe_interval seconds (any worker's clock, agreed in the control exchange) each
     worker probes the aggregator at the next call
     (AggregatorTransport.probe); when every probe is answered, all go back to it at that
@@ -779,16 +783,26 @@ class THCAllreduce:
         self._started = True
 
     def submit(self, tensor: torch.Tensor, key: int = 0, *, layer: int = 0,
-               num_layers: int = 1, reset_error: bool = False,
-               then=None) -> torch.futures.Future:
+               num_layers: int = 1, reset_error: bool = False, then=None,
+               agree_at_end: bool = False) -> torch.futures.Future:
         """The THC mean of `tensor`, computed on the exchange thread: a Future of it.
 
         The tensor is read on that thread: do not change it until the future completes.
         reset_error drops the tensor's stored error-feedback state first (its layout
         changed); then(mean), when given, also runs there and its value completes the
-        future (wait() raises the original exception of either)."""
+        future (wait() raises the original exception of either). agree_at_end: this call
+        ends with the end agreement even where it is deferred (defer_end_agreement), for
+        a caller whose next collective is not THC's: a worker that lacks sums would ask
+        in a control exchange the others reach only after it."""
         def job():
-            mean = self._guarded(tensor, key, layer, num_layers, reset_error)
+            if agree_at_end and self.defer_end_agreement:
+                self.defer_end_agreement = False
+                try:
+                    mean = self._guarded(tensor, key, layer, num_layers, reset_error)
+                finally:
+                    self.defer_end_agreement = True
+            else:
+                mean = self._guarded(tensor, key, layer, num_layers, reset_error)
             return mean if then is None else then(mean)
         return exchange_thread().submit(job)
 

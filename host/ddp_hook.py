@@ -93,6 +93,9 @@ class THCHookState:
         # its buckets after that step, possibly to the same size in another order.
         self.bucket_layouts: dict[int, tuple[int, ...]] = {}
         self.steps = 0
+        # DDP steps reduced in this process: DDP rebuilds its buckets after its first one,
+        # a collective on its own group that every rank must join (thc_hook).
+        self.ddp_steps_here = 0
         self.closed = False
         self.restored = False             # load_state_dict ran
         self._param_index: dict[int, int] = {}      # id(parameter) -> place
@@ -127,10 +130,12 @@ class THCHookState:
         return self.reduce_async(tensor, key).wait()
 
     def reduce_async(self, tensor: torch.Tensor, key: int, then=None,
-                     layout: tuple[int, ...] | None = None) -> torch.futures.Future:
+                     layout: tuple[int, ...] | None = None,
+                     agree_at_end: bool = False) -> torch.futures.Future:
         """A Future of the THC mean of `tensor`, computed on the exchange thread (and of
         then(mean) when given, run there too). layout: the tensor's parameters
-        (layout_of); a key whose size or layout changed restarts its error feedback."""
+        (layout_of); a key whose size or layout changed restarts its error feedback.
+        agree_at_end: the call ends with every worker's agreement (THCAllreduce.submit)."""
         if self.closed:
             raise RuntimeError("this THCHookState was closed (close()); build a new one with "
                                "thc_hook_state")
@@ -145,7 +150,8 @@ class THCHookState:
         # the front layers: they get the highest DLCP band (layer 0).
         num_buckets = max(self.bucket_sizes) + 1
         return self.allreduce.submit(tensor, key, layer=num_buckets - 1 - key,
-                                     num_layers=num_buckets, reset_error=resized, then=then)
+                                     num_layers=num_buckets, reset_error=resized, then=then,
+                                     agree_at_end=agree_at_end)
 
     # ----------------------------------------------------------------- checkpoint
 
@@ -209,7 +215,14 @@ class THCHookState:
 
     def reduce_bucket(self, buffer: torch.Tensor, key: int, params) -> torch.futures.Future:
         """A DDP bucket's mean; on the first step after load_state_dict, through the saved
-        buckets it is made of (reduce_regrouped) when DDP presents other ones."""
+        buckets it is made of (reduce_regrouped) when DDP presents other ones.
+
+        DDP's first step in a process ends its calls with the end agreement: DDP rebuilds
+        its buckets right after it, a collective on DDP's process group, which a worker
+        that got every sum would enter while one lacking some still waited in THC's next
+        control exchange for its rescue: each waiting for the other (the deferred
+        agreement, THCAllreduce). Later steps defer it: their next collective is the next
+        step's THC exchange."""
         layout = self.layout_of(params)
         if self._regroup and self.bucket_layouts.get(key) != layout:
             parts = self._saved_parts(layout)
@@ -220,7 +233,8 @@ class THCHookState:
                 f"buckets of the restored THC state (saved sizes {self.bucket_sizes}): its "
                 "error feedback restarts, so training goes on but not bit for bit as the "
                 "uninterrupted run"), stacklevel=3)
-        return self.reduce_async(buffer, key, layout=layout)
+        return self.reduce_async(buffer, key, layout=layout,
+                                 agree_at_end=self.ddp_steps_here == 0)
 
     def _saved_parts(self, layout: tuple[int, ...]) -> list[int] | None:
         """The saved bucket keys whose parameters together are exactly `layout`'s, or None."""
@@ -259,8 +273,9 @@ class THCHookState:
         for n, k in enumerate(keys):
             gathered = torch.cat([buffer[lo:hi] for lo, hi in values(k)])
             last = n + 1 == len(keys)
+            # Only on DDP's first step in this process (after a resume): its end agreement.
             fut = self.reduce_async(gathered, k, layout=self.bucket_layouts[k],
-                                    then=scatter if last else None)
+                                    then=scatter if last else None, agree_at_end=True)
             if not last:
                 earlier.append(fut)
         return fut
@@ -277,6 +292,7 @@ def thc_hook(state: THCHookState,
     fut = state.reduce_bucket(bucket.buffer(), bucket.index(), bucket.parameters())
     if bucket.is_last():
         state.steps += 1
+        state.ddp_steps_here += 1
         state._regroup = False        # DDP's buckets of a new process differ on its first step only
     # A C++-level error, so DDP raises it: a Python future's exception is only a value
     # to DDP, which then fails to cast it to a tensor. A callback that raises sets one.
