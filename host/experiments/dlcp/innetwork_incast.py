@@ -34,6 +34,7 @@ accuracy of such a run is of the two modes mixed; the two-run comparison gives e
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 import traceback
@@ -165,7 +166,7 @@ def run_mode(mode: str, args) -> dict:
         members = [Member(worker=w, port=w, mac=h.mac, ip=h.ip, udp_port=WORKER_UDP_PORT)
                    for w, h in enumerate(workers)]
         job = Job.from_thc(1, args.pool, members, values_per_packet=args.vpp)
-        service = in_netns(agg_host.ns, serve,
+        service = in_netns(agg_host.ns, functools.partial(serve, core=args.aggregator == "core"),
                            SwitchConfig(ip=agg_host.ip, jobs=(job,)).validate(),
                            agg_host.ip, AGG_UDP_PORT)
         thresholds = (window_thresholds(world, args.pool, args.capacity, args.threshold_step)
@@ -294,6 +295,10 @@ def add_arguments(ap) -> None:
                     help="other traffic into the aggregator's port, Not-ECT, in the queue "
                          "of THC's front band (datagrams/s; 0 = none)")
     ap.add_argument("--run-timeout", type=float, default=300.0)
+    ap.add_argument("--aggregator", choices=("reference", "core"), default="reference",
+                    help="what serves the job in the aggregator namespace: the Python "
+                         "reference (in this process) or the switch core in C "
+                         "(thc_udp_service, its own process)")
     ap.add_argument("--bands", type=int, default=NUM_DATA_BANDS,
                     help="DLCP bands the layers are spread over (DlcpPolicy num_bands; 1: "
                          "every bucket in one queue, marks only)")
