@@ -21,6 +21,7 @@ import pytest
 import thc
 from dataplane.config import Dlcp, Job, Member, SwitchConfig, default_thresholds
 from host.dlcp.marking import DlcpPolicy, partition_importance
+from dataplane.udp_service import core_unavailable
 from host.experiments.dlcp.innetwork_incast import AGG_UDP_PORT, WORKER_UDP_PORT
 from host.netlab.dlcp_probes import live_switch_skip_reason
 from host.netlab.links import NetnsError, in_netns
@@ -167,16 +168,20 @@ def test_bounded_incast_agrees_on_one_missing_set(incast):
         assert (counts[~union] == WORKERS).all()
 
 
-def test_paired_training_alternates_the_modes_step_by_step():
+@pytest.mark.parametrize("aggregator", ["reference", pytest.param("core", marks=pytest.mark.skipif(
+    core_unavailable() is not None, reason=f"the switch core's service: {core_unavailable()}"))])
+def test_paired_training_alternates_the_modes_step_by_step(aggregator):
     """`innetwork incast --paired`: one training through the live switch, DLCP on the even
     steps and off on the odd ones; each mode's calls are summarized apart, with where their
-    time went (the bounded-loss settle only in DLCP's)."""
+    time went (the bounded-loss settle only in DLCP's). The job is served by the Python
+    reference or by the switch core in C (`--aggregator`)."""
     import argparse
 
     from host.experiments.dlcp import innetwork_incast
     ap = argparse.ArgumentParser()
     innetwork_incast.add_arguments(ap)
-    args = ap.parse_args(["--paired", "--steps", "6", "--run-timeout", "120"])
+    args = ap.parse_args(["--paired", "--steps", "6", "--run-timeout", "120",
+                          "--aggregator", aggregator])
     runs = innetwork_incast.run(args)["runs"]
     assert [r["mode"] for r in runs] == ["dlcp (paired)", "off (paired)"]
     dlcp, off = runs
