@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import re
 import signal
 import socket
@@ -144,8 +145,9 @@ class UdpAggregator:
 class ServiceHandle:
     """A running service: `.address`, `.counters()`, `.stop()`; a context manager."""
 
-    def __init__(self, address, counters_fn, stop_fn):
+    def __init__(self, address, counters_fn, stop_fn, pid: int | None = None):
         self.address = tuple(address)
+        self.pid = pid              # the serving process (None: a thread of this one)
         self._counters = counters_fn
         self._stop = stop_fn
         self._final = None
@@ -229,7 +231,7 @@ def _serve_process(config, host, port) -> ServiceHandle:
         proc.join(10)
         return counters
 
-    return ServiceHandle(value, lambda: ask("counters"), stop)
+    return ServiceHandle(value, lambda: ask("counters"), stop, pid=proc.pid)
 
 
 def core_unavailable() -> str | None:
@@ -259,7 +261,8 @@ class _CoreProcess:
         with open(self.log_path, "w") as log:        # never a pipe it could block on
             self.proc = subprocess.Popen(
                 [str(CORE_SERVICE_BIN), "--config", str(conf), "--bind", f"{host}:{port}",
-                 "--stats", str(self.stats_path)], stdout=log, stderr=subprocess.STDOUT)
+                 "--stats", str(self.stats_path), "--parent", str(os.getpid())],
+                stdout=log, stderr=subprocess.STDOUT)
         self.address = self._wait_serving(start_timeout)
 
     def _wait_serving(self, timeout: float) -> tuple[str, int]:
@@ -310,7 +313,7 @@ class _CoreProcess:
 
 def _serve_core(config, host, port) -> ServiceHandle:
     core = _CoreProcess(config, host, port, start_timeout=10.0)
-    return ServiceHandle(core.address, core.counters, core.stop)
+    return ServiceHandle(core.address, core.counters, core.stop, pid=core.proc.pid)
 
 
 def _int_keys(counters: dict) -> dict:

@@ -4,7 +4,7 @@
  * with the semantics of dataplane/udp_service.py (the reference behind a socket)
  * and without DPDK, root or network namespaces.
  *
- *   thc_udp_service --config FILE --bind IP:PORT [--stats FILE]
+ *   thc_udp_service --config FILE --bind IP:PORT [--stats FILE] [--parent PID]
  *
  * The kernel owns Ethernet/IPv4/UDP, so each datagram is put behind the headers a
  * switch would have seen: the sender's real IPv4 address and UDP port (membership
@@ -18,6 +18,10 @@
  * Start-up prints "serving IP:PORT ... running" (PORT is the kernel's pick for
  * port 0). Statistics go to --stats (JSON, write-then-rename, a "seq" that counts
  * up) on SIGUSR1 and on exit (SIGTERM, SIGINT); without --stats, to stdout.
+ * --parent PID: it stops, as on SIGTERM, within a tick (0.1 s) of that process, the one
+ * that started it, ending (a Python caller that dies without stopping the service leaves no
+ * service behind; a process, not PR_SET_PDEATHSIG's thread, which ends with the thread
+ * that started it).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -271,13 +275,15 @@ static uint8_t received_tos(struct msghdr *m)
 	return 0;
 }
 
-static void serve(int fd, struct agg_switch *sw, const char *stats_path)
+static void serve(int fd, struct agg_switch *sw, const char *stats_path, pid_t parent)
 {
 	static struct inbox in;
 	static struct outbox out;
 	struct service_counters c = { 0 };
 	const struct agg_emitter em = { .alloc = outbox_alloc, .ctx = &out, .reuse_input = NULL };
 	while (!stop_requested) {
+		if (parent > 0 && getppid() != parent)
+			break;          /* the starting process ended: we were re-parented */
 		if (stats_requested) {
 			stats_requested = 0;
 			write_stats(sw, &c, stats_path);
@@ -308,16 +314,19 @@ static void serve(int fd, struct agg_switch *sw, const char *stats_path)
 
 static void usage(const char *prog)
 {
-	fprintf(stderr, "usage: %s --config FILE --bind IP:PORT [--stats FILE]\n", prog);
+	fprintf(stderr, "usage: %s --config FILE --bind IP:PORT [--stats FILE] "
+		"[--parent PID]\n", prog);
 }
 
 int main(int argc, char **argv)
 {
 	const char *config_path = NULL, *bind_to = NULL, *stats_path = NULL;
+	long parent = 0;
 	static const struct option opts[] = {
 		{ "config", required_argument, NULL, 'c' },
 		{ "bind", required_argument, NULL, 'b' },
 		{ "stats", required_argument, NULL, 's' },
+		{ "parent", required_argument, NULL, 'p' },
 		{ NULL, 0, NULL, 0 },
 	};
 	for (int opt; (opt = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
@@ -325,6 +334,7 @@ int main(int argc, char **argv)
 		case 'c': config_path = optarg; break;
 		case 'b': bind_to = optarg; break;
 		case 's': stats_path = optarg; break;
+		case 'p': parent = strtol(optarg, NULL, 10); break;
 		default: usage(argv[0]); return 2;
 		}
 	}
@@ -364,7 +374,7 @@ int main(int argc, char **argv)
 	printf("thc_udp_service: serving %s:%u, %u job(s), running\n", host, ntohs(addr.sin_port),
 	       sw.num_jobs);
 	fflush(stdout);
-	serve(fd, &sw, stats_path);
+	serve(fd, &sw, stats_path, (pid_t)parent);
 	close(fd);
 	agg_switch_free(&sw);
 	return 0;

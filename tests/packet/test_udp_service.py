@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,39 @@ def test_the_core_service_refuses_a_bad_address_or_port_with_a_message(workers, 
         result = subprocess.run([str(CORE_SERVICE_BIN), "--config", str(conf), "--bind", bind],
                                 capture_output=True, text=True, timeout=30)
         assert result.returncode == 1 and words in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(core_unavailable() is not None,
+                    reason=f"the switch core's service: {core_unavailable()}")
+def test_the_core_service_ends_with_the_process_that_started_it(tmp_path):
+    """A Python process that dies without stopping its core service leaves none behind:
+    the service watches its parent (--parent) and stops within a tick."""
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os\n"
+        "from dataplane.config import Job, Member, SwitchConfig\n"
+        "from dataplane.udp_service import serve\n"
+        "from tests.packet.scenario import TABLE\n"
+        "member = Member(0, 0, '02:00:00:00:00:01', '127.0.0.1', 9)\n"
+        "svc = serve(SwitchConfig(jobs=(Job(1, 8, TABLE, (member,)),)), '127.0.0.1', 0,"
+        " core=True)\n"
+        "print(svc.pid, flush=True)\n"
+        "os._exit(0)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2] \
+            if Path(f"/proc/{pid}/stat").exists() else "X"
+        if state == "Z":                   # ended, not yet reaped by init
+            break
+        time.sleep(0.05)
+    alive = Path(f"/proc/{pid}/stat").exists() and \
+        Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    assert not alive, "thc_udp_service outlived the process that started it"
 
 
 def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
