@@ -363,6 +363,9 @@ def parse_args(argv=None):
     if args.aggregator is None:          # shaped links serve the reference on their bridge
         args.aggregator = "core" if not args.link_mbit and core_unavailable() is None \
             else "reference"
+        if not args.link_mbit and core_unavailable():
+            print(f"note: the Python reference serves THC ({core_unavailable()} for the "
+                  "switch core in C, which costs a tenth of its CPU)", file=sys.stderr)
     elif args.aggregator == "core" and args.link_mbit:
         ap.error("--aggregator core serves on loopback: with --link-mbit use --aggregator "
                  "reference (on the links' bridge) or dpdk (on the links)")
