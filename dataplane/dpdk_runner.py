@@ -273,6 +273,38 @@ def run_pcap(config: SwitchConfig, batches: list[list[tuple[int, bytes]]],
 
 # ---------------------------------------------------------------------------- live
 
+def stats_seq(path: Path) -> int:
+    """The sequence number of a statistics file (each write counts up), 0 if none."""
+    try:
+        return json.loads(path.read_text())["seq"]
+    except FileNotFoundError:
+        return 0
+
+
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (a switch writes its final statistics on it), SIGKILL after timeout seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def request_stats(proc: subprocess.Popen, path: Path, timeout: float, name: str) -> dict:
+    """SIGUSR1 to a switch process (thc_switch, thc_udp_service), then its statistics file
+    once a write after the signal is there."""
+    before = stats_seq(path)
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stats_seq(path) > before:                # written whole: write-then-rename
+            return json.loads(path.read_text())
+        time.sleep(0.002)
+    raise SwitchError(f"{name} wrote no statistics after SIGUSR1")
+
+
 class LiveSwitch:
     """The switch on live ports (net_af_packet on veths, net_tap, NICs) until stop().
 
@@ -330,31 +362,12 @@ class LiveSwitch:
 
     def counters(self, timeout: float = 10.0) -> dict:
         """Statistics now (SIGUSR1): {"global", "jobs", "ports", "seq"}."""
-        before = self._stats_seq()
-        self.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._stats_seq() > before:          # written whole: write-then-rename
-                return json.loads(self.stats_path.read_text())
-            time.sleep(0.005)
-        raise SwitchError("thc_switch wrote no statistics after SIGUSR1")
-
-    def _stats_seq(self) -> int:
-        """The sequence number of the statistics file (each write counts up), 0 if none."""
-        try:
-            return json.loads(self.stats_path.read_text())["seq"]
-        except FileNotFoundError:
-            return 0
+        return request_stats(self.proc, self.stats_path, timeout, "thc_switch")
 
     def _end_process(self) -> dict | None:
         """SIGTERM (SIGKILL after 20 s); the process's final statistics (None: it wrote none)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 20)
         return json.loads(self.stats_path.read_text()) if self.stats_path.exists() else None
 
     def stop(self) -> dict | None:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 from dataplane.config import MAX_VALUES, ConfigError, SwitchConfig
 from dataplane.dpdk_config import write_config
+from dataplane.dpdk_runner import request_stats, terminate
 from dataplane.reference import ReferenceSwitch
 from dataplane.wire import AGG_PORT_BASE, L2L4_LEN, MAX_FRAME
 
@@ -277,38 +278,24 @@ class _CoreProcess:
         self.stop()
         raise RuntimeError(f"thc_udp_service did not start: {self.log_path.read_text().strip()}")
 
-    def _seq(self) -> int:
-        try:
-            return json.loads(self.stats_path.read_text())["seq"]
-        except FileNotFoundError:
-            return 0
-
     def counters(self, timeout: float = 10.0) -> dict:
-        before = self._seq()
-        self.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._seq() > before:                  # written whole: write-then-rename
-                return self._read()
-            time.sleep(0.002)
-        raise RuntimeError("thc_udp_service wrote no statistics after SIGUSR1")
+        stats = request_stats(self.proc, self.stats_path, timeout, "thc_udp_service")
+        return _service_counters(stats)
 
     def _read(self) -> dict:
-        stats = json.loads(self.stats_path.read_text())
-        stats.pop("seq", None)
-        return _int_keys(stats)
+        return _service_counters(json.loads(self.stats_path.read_text()))
 
     def stop(self) -> dict | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 10)
         final = self._read() if self.stats_path.exists() else None
         self._tmp.cleanup()
         return final
+
+
+def _service_counters(stats: dict) -> dict:
+    """The C service's statistics in the Python service's form (no "seq", int job keys)."""
+    stats.pop("seq", None)
+    return _int_keys(stats)
 
 
 def _serve_core(config, host, port) -> ServiceHandle:

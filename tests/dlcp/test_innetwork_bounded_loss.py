@@ -64,17 +64,24 @@ def grad(rank):
     return g
 
 
-def _worker(rank, init, lossy, exact, own, queue):
+def _join(rank, init, timeout_s: float) -> None:
+    """A worker process's start: one thread each for torch and the codec, the gloo group."""
     import numba
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    numba.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _worker(rank, init, lossy, exact, own, queue):
     import torch
     import torch.distributed as dist
 
     from host.ddp_hook import thc_hook_state
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))
+        _join(rank, init, 60)
         codec = thc.THCCodec(seed=5, partition_size=PARTITION)
         g = torch.from_numpy(grad(rank))
         g_next = torch.from_numpy(grad(rank + WORLD))
@@ -128,17 +135,13 @@ def _worker(rank, init, lossy, exact, own, queue):
 
 def _ddp_worker(rank, init, lossy, exact, own, queue):
     """Three DDP steps with the THC hook under bounded loss; the parameters at the end."""
-    import numba
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from host.ddp_hook import thc_hook, thc_hook_state
-    torch.set_num_threads(1)
-    numba.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=30))
+        _join(rank, init, 30)       # the hang this guards against ends at gloo's timeout
         torch.manual_seed(0)
         model = DistributedDataParallel(torch.nn.Linear(1000, 50))   # one bucket, key 0
         state = thc_hook_state(aggregator=lossy, job_config=own,

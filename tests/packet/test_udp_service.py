@@ -64,6 +64,29 @@ def start(config, kind):
     return serve(config, "127.0.0.1", 0, process=kind == "process", core=kind == "core")
 
 
+def run_service_script(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """A script of its own (no `__main__` guard) with CONFIG, a one-member job, then body."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "from dataplane.config import Job, Member, SwitchConfig\n"
+        "from dataplane.udp_service import serve\n"
+        "from tests.packet.scenario import TABLE\n"
+        "member = Member(0, 0, '02:00:00:00:00:01', '127.0.0.1', 9)\n"
+        "CONFIG = SwitchConfig(jobs=(Job(1, 8, TABLE, (member,)),))\n" + body)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
+                          capture_output=True, text=True)
+
+
+def running(pid: int) -> bool:
+    """Whether process pid runs (an ended one not yet reaped by init does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 @pytest.fixture
 def workers():
     socks = worker_sockets(3)
@@ -221,32 +244,15 @@ def test_the_core_service_refuses_a_bad_address_or_port_with_a_message(workers, 
 def test_the_core_service_ends_with_the_process_that_started_it(tmp_path):
     """A Python process that dies without stopping its core service leaves none behind:
     the service watches its parent (--parent) and stops within a tick."""
-    script = tmp_path / "dies.py"
-    script.write_text(
-        "import os\n"
-        "from dataplane.config import Job, Member, SwitchConfig\n"
-        "from dataplane.udp_service import serve\n"
-        "from tests.packet.scenario import TABLE\n"
-        "member = Member(0, 0, '02:00:00:00:00:01', '127.0.0.1', 9)\n"
-        "svc = serve(SwitchConfig(jobs=(Job(1, 8, TABLE, (member,)),)), '127.0.0.1', 0,"
-        " core=True)\n"
-        "print(svc.pid, flush=True)\n"
-        "os._exit(0)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
-                         capture_output=True, text=True)
+    out = run_service_script(tmp_path, "svc = serve(CONFIG, '127.0.0.1', 0, core=True)\n"
+                                       "print(svc.pid, flush=True)\n"
+                                       "os._exit(0)\n")
     assert out.returncode == 0, out.stderr[-2000:]
     pid = int(out.stdout.split()[0])
     deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2] \
-            if Path(f"/proc/{pid}/stat").exists() else "X"
-        if state == "Z":                   # ended, not yet reaped by init
-            break
+    while running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    alive = Path(f"/proc/{pid}/stat").exists() and \
-        Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    assert not alive, "thc_udp_service outlived the process that started it"
+    assert not running(pid), "thc_udp_service outlived the process that started it"
 
 
 def test_cli_refuses_a_bad_config_with_a_message(tmp_path):
@@ -292,16 +298,6 @@ def test_a_service_process_that_dies_before_serving_raises_instead_of_hanging(tm
     """A script without a `__main__` guard: the spawned child imports it again and dies
     starting a process of its own while bootstrapping. The parent, which waited for the
     child's address forever, now gets the child's exit as an error that names the fix."""
-    script = tmp_path / "no_main_guard.py"
-    script.write_text(
-        "from dataplane.config import Job, Member, SwitchConfig\n"
-        "from dataplane.udp_service import serve\n"
-        "from tests.packet.scenario import TABLE\n"
-        "member = Member(0, 0, '02:00:00:00:00:01', '127.0.0.1', 9)\n"
-        "serve(SwitchConfig(jobs=(Job(1, 8, TABLE, (member,)),)), '127.0.0.1', 0,"
-        " process=True)\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=120,
-                         capture_output=True, text=True)
+    out = run_service_script(tmp_path, "serve(CONFIG, '127.0.0.1', 0, process=True)\n")
     assert out.returncode != 0
     assert "ended before serving" in out.stderr and "__main__" in out.stderr, out.stderr[-2000:]
