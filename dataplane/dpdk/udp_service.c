@@ -41,8 +41,8 @@
 #include "agg_core.h"
 
 #define BURST        32                      /* datagrams per recvmmsg */
-/* A member's RESULT per input at most, plus a straggler notice: room for one
- * input's emissions is always left before it is processed. */
+/* One input emits at most a RESULT per member or one notice: room for that is
+ * left before each input is processed, so nothing the core emits is skipped. */
 #define OUT_FRAMES   (2 * BURST + AGG_MAX_WORKERS)
 #define SOCKET_BUF   (8 << 20)               /* absorb a whole tensor's burst */
 /* The longest datagram a switch would take (its frame at most 9216 bytes), plus
