@@ -592,9 +592,11 @@ class THCAllreduce:
     call went. A collective on another group between two calls would wait for the worker
     that lacks sums while it waits for the others: DDP's bucket rebuild after its first
     step is one, so the DDP hook ends a process's first DDP step with the agreement
-    (submit's agree_at_end); a training loop with collectives of its own between THC
-    calls sets defer_end_agreement = False, which puts the agreement back at the end of
-    every call (host.fsdp does: its own max-norm exchange shares the group). Every
+    (submit's agree_at_end). DDP's buffer broadcast before each forward (a model with
+    buffers, e.g. BatchNorm, and broadcast_buffers=True) is another, as is any collective
+    of the training loop's own between THC calls: there set defer_end_agreement = False,
+    which puts the agreement back at the end of every call (host.fsdp does: its own
+    max-norm exchange shares the group). Every
     probe_interval seconds (any worker's clock, agreed in the control exchange) each
     worker probes the aggregator at the next call
     (AggregatorTransport.probe); when every probe is answered, all go back to it at that
