@@ -10,7 +10,8 @@ Public API (`__all__`):
                                  ResumeWarning (hook state not restored on resume)
   FSDP2 (host.fsdp)              THCReduceScatter, thc_fully_shard_comm
   allreduce (host.allreduce)     THCAllreduce, AggregatorExchange, SumAllreduceExchange,
-                                 AllreduceError, SizeMismatchError
+                                 AllreduceError, SizeMismatchError, RescueWaitWarning
+                                 (a worker lacking sums waits long for the others)
   transport (host.transport)     AggregatorTransport, parse_address, TransportError,
                                  AggregatorUnreachable, AggregatorTimeout, StragglerNotice
 
@@ -51,6 +52,7 @@ _SOURCE_MODULE = {
     "SumAllreduceExchange": "host.allreduce",
     "AllreduceError": "host.allreduce",
     "SizeMismatchError": "host.allreduce",
+    "RescueWaitWarning": "host.allreduce",
     "AggregatorTransport": "host.transport",
     "parse_address": "host.transport",
     "TransportError": "host.transport",

@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 import thc
-from host.control_channel import ControlChannel
+from host.control_channel import ControlChannel, ControlWork
 from host.transport import AggregatorTimeout, AggregatorUnreachable, default_policy
 from thc.layout import Layout
 
@@ -109,6 +109,14 @@ class WorkerLostError(AllreduceError):
 
 class SizeMismatchError(AllreduceError):
     pass
+
+
+class RescueWaitWarning(UserWarning):
+    """A worker that lacks sums of its last call has waited long for the others' next THC
+    call (THCAllreduce._rescue_exchange): the message names the likely cause and the fix."""
+
+
+RESCUE_WARN_S = 10.0
 
 
 # --------------------------------------------------------------------------- exchange thread
@@ -683,6 +691,8 @@ class THCAllreduce:
         # False: every call ends with its agreement, as on a caller's group (a user of the
         # group between calls: host.fsdp's reduce-scatter)
         self.defer_end_agreement = True
+        # A worker lacking sums warns after waiting this long for its rescue (_rescue_exchange).
+        self.rescue_warn_s = RESCUE_WARN_S
         self._slots_of_size: dict[int, int] = {}   # tensor size -> norms of its chunk 0
         # The MAX exchanges' own connections (host.control_channel), made at start();
         # None: they go over the group's gloo (THC_GLOO_CONTROL=1, or no direct route).
@@ -1073,7 +1083,18 @@ class THCAllreduce:
         vector[self._norm_slots() + self._rescue_field(self.rank)] = 1.0
         if dist.get_backend(self.group) == "nccl":
             vector = vector.cuda()
-        self._max_exchange(vector).wait()
+        work = self._max_exchange(vector)
+        if isinstance(work, ControlWork) and not work.done_within(self.rescue_warn_s):
+            warnings.warn(RescueWaitWarning(
+                f"THC worker {self.rank} lacks sums of its last call and has waited "
+                f"{self.rescue_warn_s:g} s for the other workers' next THC call, where they "
+                "give them to it. If they are in a collective of another group first (DDP's "
+                "buffer broadcast before a forward, for a model with buffers such as "
+                "BatchNorm, or one of the training loop's own), each waits for the other "
+                "until that group's timeout: set defer_end_agreement = False on the "
+                "THCAllreduce (for the DDP hook: state.allreduce), which ends every call "
+                "with the agreement"), stacklevel=2)
+        work.wait()
         self.control_bytes += 8 * vector.numel()
 
     def _rescued(self, control) -> list[int]:

@@ -65,6 +65,15 @@ class ControlWork:
             self._done = True
         return True
 
+    def done_within(self, seconds: float) -> bool:
+        """Wait up to `seconds`: True once the exchange completed (as wait()), False if the
+        peers have not all answered yet (wait again later; nothing is lost)."""
+        if not self._done:
+            if not self._channel._complete(self._seq, self._tensor, seconds, quiet=True):
+                return False
+            self._done = True
+        return True
+
 
 class ControlChannel:
     """MAX all_reduce of small CPU tensors among a process group's workers (module doc)."""
@@ -185,7 +194,10 @@ class ControlChannel:
             else:                    # another thread is reading: wait for room alone
                 select.select([], [s], [], 0.1)
 
-    def _complete(self, seq: int, tensor: torch.Tensor, timeout: float | None) -> None:
+    def _complete(self, seq: int, tensor: torch.Tensor, timeout: float | None,
+                  quiet: bool = False) -> bool:
+        """Reduce exchange seq into tensor once every peer's part is in: True. Past the
+        timeout, False when quiet, else a ControlChannelError."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._recv_lock:
             while True:
@@ -194,6 +206,8 @@ class ControlChannel:
                 if not missing:
                     break
                 left = deadline - time.monotonic()
+                if left <= 0 and quiet:
+                    return False
                 if left <= 0:
                     raise ControlChannelError(
                         f"THC control exchange {seq}: no answer from worker(s) {missing} "
@@ -209,6 +223,7 @@ class ControlChannel:
                     f"this worker has {out.nbytes}: the workers' calls are out of step (every "
                     "worker must make the same THC calls in the same order)")
             np.maximum(out, np.frombuffer(payload, dtype=out.dtype).reshape(out.shape), out=out)
+        return True
 
     def _drain(self, writable: socket.socket | None, wait_ms: int) -> None:
         """Wait up to wait_ms for data from any peer (or room in `writable`) and read what

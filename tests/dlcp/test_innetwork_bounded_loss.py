@@ -165,6 +165,38 @@ def _ddp_worker(rank, init, lossy, exact, own, queue):
         queue.put((rank, {"crash": traceback.format_exc()}))
 
 
+def _late_peers_worker(rank, init, lossy, exact, own, queue):
+    """Two calls; workers 0 and 2 make the second one 2 s late (as if a collective of
+    another group ran first). Worker 1 lacks a chunk of the first and waits for them."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from host.allreduce import RescueWaitWarning
+    from host.ddp_hook import thc_hook_state
+    try:
+        _join(rank, init, 60)
+        state = thc_hook_state(aggregator=lossy, job_config=own,
+                               codec=thc.THCCodec(seed=5, partition_size=PARTITION),
+                               pool_size=64, timeout=10, error_feedback=False,
+                               values_per_packet=VPP, loss_bound=LOSS_BOUND)
+        state.allreduce.rescue_warn_s = 0.5
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = state.reduce(torch.from_numpy(grad(rank)), 0).numpy()
+            if rank != 1:
+                time.sleep(2.0)
+            state.reduce(torch.from_numpy(grad(rank + WORLD)), 0)
+        state.close()
+        queue.put((rank, {"first": first,
+                          "warnings": [str(w.message) for w in caught
+                                       if issubclass(w.category, RescueWaitWarning)]}))
+        dist.destroy_process_group()
+    except Exception:
+        queue.put((rank, {"crash": traceback.format_exc()}))
+
+
 def _config(addresses, job=1, pool=64):
     members = [Member(worker=w, port=w, mac=f"02:00:00:00:01:{w + 1:02x}", ip=ip, udp_port=p)
                for w, (ip, p) in enumerate(addresses)]
@@ -304,6 +336,20 @@ def test_ddps_bucket_rebuild_after_the_first_step_does_not_wait_on_a_rescue():
             np.testing.assert_array_equal(mine, theirs)
     assert results[1]["stats"]["missing_here"] >= 3        # one chunk in each of 3 steps
     assert all(r["stats"]["missing_agreed"] == 0 for r in results.values())
+
+
+def test_a_worker_waiting_long_for_its_rescue_says_why_and_what_to_set():
+    """Worker 1 lacks a chunk and waits in the others' next THC call for its sums; they
+    come 2 s late. Past rescue_warn_s it warns, naming the collectives that would make the
+    wait endless and defer_end_agreement; the call then completes with the sums the
+    others have, and only worker 1 warns."""
+    results, _ = _run(hidden_from_1, worker=_late_peers_worker)
+    assert [len(results[r]["warnings"]) for r in range(WORLD)] == [0, 1, 0]
+    text = results[1]["warnings"][0]
+    assert "lacks sums of its last call" in text and "defer_end_agreement = False" in text
+    assert "buffer broadcast" in text
+    for rank in (1, 2):
+        np.testing.assert_array_equal(results[rank]["first"], results[0]["first"])
 
 
 def test_only_partitions_with_a_lost_chunk_differ_from_the_exact_result(run):
