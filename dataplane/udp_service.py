@@ -27,8 +27,8 @@ Python API for tests and the main job:
 `serve(..., core=True)` serves the same way with the switch core in C
 (dataplane/dpdk/udp_service.c, built by `make build`: the DPDK switch's agg_core.c behind
 the socket, no DPDK or root needed). The packet suite holds that core to the reference, and
-tests/packet/test_udp_service.py runs its cases on both; it costs a tenth of the CPU per
-datagram, which the loopback main job is short of.
+tests/packet/test_udp_service.py runs its cases on both; it serves 7-9 times the datagrams
+per second (docs/perf.md), CPU the loopback main job is short of.
 
 One thread owns the socket and every slot (the state machine is sequential by nature);
 its loop is one `recvmsg_into` into a preallocated buffer per datagram (with the datagram's
@@ -275,8 +275,9 @@ class _CoreProcess:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.01)
+        said = self.log_path.read_text().strip()        # before stop() removes the log
         self.stop()
-        raise RuntimeError(f"thc_udp_service did not start: {self.log_path.read_text().strip()}")
+        raise RuntimeError(f"thc_udp_service did not start: {said}")
 
     def counters(self, timeout: float = 10.0) -> dict:
         stats = request_stats(self.proc, self.stats_path, timeout, "thc_udp_service")

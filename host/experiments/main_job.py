@@ -365,7 +365,7 @@ def parse_args(argv=None):
             else "reference"
         if not args.link_mbit and core_unavailable():
             print(f"note: the Python reference serves THC ({core_unavailable()} for the "
-                  "switch core in C, which costs a tenth of its CPU)", file=sys.stderr)
+                  "switch core in C, which needs about a sixth of its CPU per step)", file=sys.stderr)
     elif args.aggregator == "core" and args.link_mbit:
         ap.error("--aggregator core serves on loopback: with --link-mbit use --aggregator "
                  "reference (on the links' bridge) or dpdk (on the links)")

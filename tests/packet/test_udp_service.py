@@ -241,6 +241,17 @@ def test_the_core_service_refuses_a_bad_address_or_port_with_a_message(workers, 
 
 @pytest.mark.skipif(core_unavailable() is not None,
                     reason=f"the switch core's service: {core_unavailable()}")
+def test_a_core_service_that_cannot_start_raises_with_its_own_words(workers):
+    """serve(core=True) on a port another socket holds: the C process ends at once, and
+    the error carries what it said (the log it wrote is gone after)."""
+    taken = workers[2].getsockname()[1]
+    with pytest.raises(RuntimeError, match=f"did not start: thc_udp_service: cannot bind "
+                                           f"127.0.0.1:{taken}"):
+        serve(loopback_config(workers[:2]), "127.0.0.1", taken, core=True)
+
+
+@pytest.mark.skipif(core_unavailable() is not None,
+                    reason=f"the switch core's service: {core_unavailable()}")
 def test_the_core_service_ends_with_the_process_that_started_it(tmp_path):
     """A Python process that dies without stopping its core service leaves none behind:
     the service watches its parent (--parent) and stops within a tick."""
