@@ -360,17 +360,17 @@ def parse_args(argv=None):
     if args.loss_bound and not thc_in_network:
         ap.error("--loss-bound applies to the in-network path: use it with a thc run "
                  "(--compressor thc, or thc in --runs)")
+    no_core = core_unavailable()
     if args.aggregator is None:          # shaped links serve the reference on their bridge
-        args.aggregator = "core" if not args.link_mbit and core_unavailable() is None \
-            else "reference"
-        if not args.link_mbit and core_unavailable():
-            print(f"note: the Python reference serves THC ({core_unavailable()} for the "
-                  "switch core in C, which needs about a sixth of its CPU per step)", file=sys.stderr)
+        args.aggregator = "core" if not args.link_mbit and no_core is None else "reference"
+        if not args.link_mbit and no_core:
+            print(f"note: the Python reference serves THC ({no_core} for the switch core "
+                  "in C, which needs about a sixth of its CPU per step)", file=sys.stderr)
     elif args.aggregator == "core" and args.link_mbit:
         ap.error("--aggregator core serves on loopback: with --link-mbit use --aggregator "
                  "reference (on the links' bridge) or dpdk (on the links)")
-    elif args.aggregator == "core" and core_unavailable():
-        ap.error(f"--aggregator core: {core_unavailable()}; or use --aggregator reference")
+    elif args.aggregator == "core" and no_core:
+        ap.error(f"--aggregator core: {no_core}; or use --aggregator reference")
     external = args.aggregator not in ("reference", "core", "dpdk")
     args.values_per_packet = _values_per_packet(ap, args, external)
     if external and thc_in_network and not args.worker_port_base:

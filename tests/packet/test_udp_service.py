@@ -54,9 +54,10 @@ def receive(sock, count):
     return [sock.recv(2048) for _ in range(count)]
 
 
-KINDS = ["thread", "process", pytest.param(
-    "core", marks=pytest.mark.skipif(core_unavailable() is not None,
-                                     reason=f"the switch core's service: {core_unavailable()}"))]
+needs_core = pytest.mark.skipif(core_unavailable() is not None,
+                                reason=f"the switch core's service: {core_unavailable()}")
+CORE = pytest.param("core", marks=needs_core)
+KINDS = ["thread", "process", CORE]
 
 
 def start(config, kind):
@@ -185,7 +186,7 @@ def test_members_sharing_an_address_are_refused(kind):
     (dict(dlcp=Dlcp(capacity=(1 << 20) + 1)), "capacity 1048577"),
     (dict(values_per_packet=8193), "the UDP service's limit of 8192 values per packet"),
 ], ids=["threshold -1", "capacity 2^20 + 1", "values_per_packet 8193"])
-@pytest.mark.parametrize("kind", ["thread", KINDS[2]])
+@pytest.mark.parametrize("kind", ["thread", CORE])
 def test_the_service_refuses_what_every_plane_refuses(workers, change, words, kind):
     config = loopback_config(workers[:2])
     if "values_per_packet" in change:
@@ -221,8 +222,7 @@ def test_cli_serves_and_reports_counters(workers, tmp_path):
     assert c["jobs"]["1"]["results_multicast"] == 1
 
 
-@pytest.mark.skipif(core_unavailable() is not None,
-                    reason=f"the switch core's service: {core_unavailable()}")
+@needs_core
 def test_the_core_service_refuses_a_bad_address_or_port_with_a_message(workers, tmp_path):
     """thc_udp_service run by hand: an address it cannot bind, or a member on a switch port
     other than 0 (the kernel owns the ports), ends it at once with what to change."""
@@ -239,8 +239,7 @@ def test_the_core_service_refuses_a_bad_address_or_port_with_a_message(workers, 
         assert result.returncode == 1 and words in result.stderr, result.stderr
 
 
-@pytest.mark.skipif(core_unavailable() is not None,
-                    reason=f"the switch core's service: {core_unavailable()}")
+@needs_core
 def test_a_core_service_that_cannot_start_raises_with_its_own_words(workers):
     """serve(core=True) on a port another socket holds: the C process ends at once, and
     the error carries what it said (the log it wrote is gone after)."""
@@ -250,8 +249,7 @@ def test_a_core_service_that_cannot_start_raises_with_its_own_words(workers):
         serve(loopback_config(workers[:2]), "127.0.0.1", taken, core=True)
 
 
-@pytest.mark.skipif(core_unavailable() is not None,
-                    reason=f"the switch core's service: {core_unavailable()}")
+@needs_core
 def test_the_core_service_ends_with_the_process_that_started_it(tmp_path):
     """A Python process that dies without stopping its core service leaves none behind:
     the service watches its parent (--parent) and stops within a tick."""
